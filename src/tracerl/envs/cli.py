@@ -1,0 +1,94 @@
+"""``tracerl tasks validate|export`` and ``tracerl sandbox run``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tracerl.envs.sandbox import Sandbox, SandboxLimits, SandboxUnavailableError
+from tracerl.envs.suite import generate_split
+from tracerl.envs.tasks import dump_tasks, load_tasks, validate_tasks, write_files
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``tasks`` and ``sandbox`` subcommands."""
+    tasks = subparsers.add_parser("tasks", help="check and export coding task sets")
+    tasks_sub = tasks.add_subparsers(dest="tasks_command", metavar="ACTION", required=True)
+
+    validate = tasks_sub.add_parser(
+        "validate", help="check a task file: fields, start fails hidden tests, solution passes")
+    validate.add_argument("file", help="JSON-lines task file")
+    validate.add_argument("--workers", type=int, default=2, help="sandboxes run at once")
+    _add_unsafe(validate)
+    validate.set_defaults(func=_validate)
+
+    export = tasks_sub.add_parser("export", help="write a split of the built-in suite")
+    export.add_argument("--split", choices=("train", "heldout"), required=True)
+    export.add_argument("--out", required=True, help="JSON-lines file to write")
+    export.add_argument("--seed", type=int, default=0, help="generator seed")
+    export.add_argument("--count", type=int, default=None,
+                        help="number of tasks (default: the split's default size)")
+    export.set_defaults(func=_export)
+
+    sandbox = subparsers.add_parser("sandbox", help="run commands in a task's sandbox")
+    sandbox_sub = sandbox.add_subparsers(dest="sandbox_command", metavar="ACTION", required=True)
+    run = sandbox_sub.add_parser(
+        "run", help="run CMD in a fresh workspace of a task (hidden files absent); prints JSON")
+    run.add_argument("--tasks", required=True, help="JSON-lines task file")
+    run.add_argument("--id", required=True, help="task id")
+    run.add_argument("--timeout", type=float, default=10.0, help="wall-clock seconds")
+    _add_unsafe(run)
+    run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+    run.set_defaults(func=_sandbox_run)
+
+
+def _add_unsafe(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--unsafe-no-sandbox", action="store_true",
+                        help="run without bubblewrap (NO isolation; limits and timeout only)")
+
+
+def _sandbox(args: argparse.Namespace, limits: SandboxLimits | None = None) -> Sandbox:
+    try:
+        return Sandbox(limits, unsafe=args.unsafe_no_sandbox)
+    except SandboxUnavailableError as error:
+        raise ValueError(str(error)) from None
+
+
+def _validate(args: argparse.Namespace) -> int:
+    tasks = load_tasks(args.file)
+    checks = validate_tasks(tasks, _sandbox(args), workers=args.workers)
+    bad = [check for check in checks if not check.ok]
+    for check in bad:
+        for problem in check.problems:
+            print(f"{check.task_id}: {problem}")
+    print(f"{len(tasks) - len(bad)}/{len(tasks)} tasks valid")
+    return 1 if bad else 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    tasks = generate_split(args.split, seed=args.seed, count=args.count)
+    count = dump_tasks(tasks, args.out)
+    print(f"wrote {count} {args.split} tasks to {args.out}")
+    return 0
+
+
+def _sandbox_run(args: argparse.Namespace) -> int:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise ValueError("give the command after --, e.g. -- python -m pytest")
+    by_id = {task.id: task for task in load_tasks(args.tasks)}
+    if args.id not in by_id:
+        raise ValueError(f"--id: no task {args.id!r} in {args.tasks}")
+    sandbox = _sandbox(args, SandboxLimits(wall_seconds=args.timeout))
+    with tempfile.TemporaryDirectory(prefix="tracerl-ws-") as tmp:
+        write_files(Path(tmp), by_id[args.id].files)
+        result = sandbox.run(tmp, cmd)
+    json.dump(result.to_dict(), sys.stdout)
+    sys.stdout.write("\n")
+    return 0

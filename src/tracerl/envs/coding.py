@@ -1,0 +1,229 @@
+"""The coding environment: a Gymnasium-style env over a task set, a sandbox and the tools.
+
+One episode is one attempt at one task. Actions are the policy's text; the env runs the first
+``<tool_call>`` in it and returns the tool's output as the next observation.
+
+- ``terminated`` is True after ``submit``: the task really ended, and the reward (hidden
+  tests on the final files, protected files restored) is returned with it.
+- ``truncated`` is True when the turn or time budget ran out: the attempt was cut, not ended;
+  its reward is 0 here and ``verify()`` scores the files it left, if the caller wants.
+- A tool or sandbox crash sets ``info["tool_error"]`` and ends nothing: it is the
+  infrastructure's fault, and the collector decides whether to retry or to end the attempt
+  with that reason. An agent mistake (bad call, missing file) is an ``error:`` observation.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, SupportsFloat
+
+import gymnasium as gym
+from gymnasium import spaces
+
+from tracerl.envs.audit import AuditResult, VerifyResult, audit_attempt, verify_files
+from tracerl.envs.faults import FaultConfig, FaultInjector, FaultKind
+from tracerl.envs.sandbox import Sandbox
+from tracerl.envs.tasks import Task, write_files
+from tracerl.envs.tools import (
+    PathError,
+    Workspace,
+    list_files_tool,
+    parse_tool_call,
+    replace_tool,
+    test_excerpt,
+    view_file_tool,
+    write_file_tool,
+)
+
+CHARSET = "".join(chr(c) for c in range(32, 127)) + "\n\t"
+"""Characters of observations and actions: printable ASCII, newline and tab."""
+MAX_TEXT = 1 << 16
+"""``max_length`` of the observation and action spaces."""
+
+
+def to_charset(text: str, limit: int) -> str:
+    """``text`` with characters outside ``CHARSET`` replaced by ``?``, cut to ``limit``."""
+    allowed = set(CHARSET)
+    clean = "".join(ch if ch in allowed else "?" for ch in text)
+    return clean if len(clean) <= limit else clean[: limit - 12] + "\n[truncated]"
+
+
+class CodingEnv(gym.Env[str, str]):
+    """Attempts at coding tasks; see the module docstring for the episode's semantics."""
+
+    metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012 (gymnasium's attribute)
+
+    def __init__(self, tasks: Sequence[Task], *, sandbox: Sandbox | None = None,
+                 max_turns: int = 8, max_seconds: float | None = None,
+                 faults: FaultConfig | None = None, observation_chars: int = 4000) -> None:
+        """``max_turns``/``max_seconds`` apply when a task's own budget leaves them unset."""
+        if not tasks:
+            raise ValueError("tasks must not be empty")
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if max_seconds is not None and max_seconds <= 0:
+            raise ValueError(f"max_seconds must be positive, got {max_seconds}")
+        if not 16 <= observation_chars <= MAX_TEXT:
+            raise ValueError(f"observation_chars must be in [16, {MAX_TEXT}]")
+        self.tasks = list(tasks)
+        self._by_id = {task.id: i for i, task in enumerate(self.tasks)}
+        self.sandbox = sandbox if sandbox is not None else Sandbox()
+        self.max_turns = max_turns
+        self.max_seconds = max_seconds
+        self.faults = FaultInjector(faults) if faults is not None and faults.active else None
+        self.observation_chars = observation_chars
+        self.observation_space = spaces.Text(max_length=MAX_TEXT, min_length=1, charset=CHARSET)
+        self.action_space = spaces.Text(max_length=MAX_TEXT, min_length=0, charset=CHARSET)
+        self.task: Task | None = None
+        self.workspace: Workspace | None = None
+        self.tool_calls: list[tuple[str, dict[str, Any]]] = []
+        self._turn = 0
+        self._started = 0.0
+        self._done = True
+
+    # -- episode --------------------------------------------------------------------------
+
+    def reset(self, *, seed: int | None = None,
+              options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+        """Start an attempt. ``options`` may pick the task: ``{"task_id": ...}`` or
+        ``{"task_index": ...}``; otherwise it is drawn with the env's seeded generator."""
+        super().reset(seed=seed)
+        options = options or {}
+        if "task_id" in options:
+            if options["task_id"] not in self._by_id:
+                raise ValueError(f"options.task_id: unknown task {options['task_id']!r}")
+            index = self._by_id[options["task_id"]]
+        elif "task_index" in options:
+            index = int(options["task_index"])
+            if not 0 <= index < len(self.tasks):
+                raise ValueError(f"options.task_index must be in [0, {len(self.tasks)})")
+        else:
+            index = int(self.np_random.integers(len(self.tasks)))
+        self._cleanup()
+        task = self.tasks[index]
+        root = Path(tempfile.mkdtemp(prefix="tracerl-attempt-"))
+        write_files(root, task.files)
+        self.task, self.workspace = task, Workspace(root)
+        self.tool_calls = []
+        self._turn, self._started, self._done = 0, time.monotonic(), False
+        listing = "\n".join(sorted(task.files))
+        observation = f"{task.instruction}\nFiles:\n{listing}"
+        info = {"task_id": task.id, "family": task.family, "turn": 0,
+                "max_turns": self._max_turns()}
+        return to_charset(observation, self.observation_chars), info
+
+    def step(self, action: str) -> tuple[str, SupportsFloat, bool, bool, dict[str, Any]]:
+        """Run the first tool call in ``action``; see the module docstring."""
+        if self._done or self.task is None or self.workspace is None:
+            raise RuntimeError("step() called without an active attempt; call reset() first")
+        if not isinstance(action, str):
+            raise ValueError(f"action must be a string, got {type(action).__name__}")
+        self._turn += 1
+        info: dict[str, Any] = {"task_id": self.task.id, "turn": self._turn, "tool": None,
+                                "tool_seconds": 0.0, "tool_error": False, "fault": None,
+                                "agent_error": False}
+        parsed = parse_tool_call(action)
+        if parsed.raw_name is not None:
+            self.tool_calls.append((parsed.raw_name, dict(parsed.raw_arguments or {})))
+        terminated = truncated = False
+        reward = 0.0
+        if parsed.call is None:
+            observation = parsed.error or "error: no tool call"
+            info["agent_error"] = True
+        elif parsed.call.name == "submit":
+            info["tool"] = "submit"
+            observation, terminated = "submitted", True
+        else:
+            info["tool"] = parsed.call.name
+            observation = self._run_tool(parsed.call.name, dict(parsed.call.arguments), info)
+        if terminated:
+            self._done = True
+            try:
+                verdict, audit = self.verify(), self.audit()
+            except Exception as error:  # the verifier's sandbox failed: not the agent's doing
+                info["tool_error"], info["verify_error"] = True, f"{type(error).__name__}: {error}"
+            else:
+                reward = verdict.reward
+                info["verify"], info["audit"] = verdict, audit
+        elif self._turn >= self._max_turns():
+            truncated, info["truncated_reason"] = True, "max_turns"
+        elif self._max_seconds() is not None and (
+                time.monotonic() - self._started > (self._max_seconds() or 0.0)):
+            truncated, info["truncated_reason"] = True, "max_seconds"
+        if truncated:
+            self._done = True
+        return to_charset(observation, self.observation_chars), reward, terminated, truncated, info
+
+    def _run_tool(self, name: str, arguments: dict[str, Any], info: dict[str, Any]) -> str:
+        assert self.workspace is not None and self.task is not None
+        start = time.monotonic()
+        try:
+            fault: FaultKind | None = None
+            if self.faults is not None:
+                fault = self.faults.before_tool(name)
+                info["fault"] = fault
+            return self._dispatch(name, arguments)
+        except PathError as error:
+            info["agent_error"] = True
+            return f"error: {name}: {error}"
+        except Exception as error:
+            # Anything else is the infrastructure failing: the tool, the sandbox, the disk.
+            info["tool_error"] = True
+            info["fault"] = getattr(error, "fault", info["fault"])
+            return f"tool error: {type(error).__name__}"
+        finally:
+            info["tool_seconds"] = time.monotonic() - start
+
+    def _dispatch(self, name: str, arguments: dict[str, Any]) -> str:
+        assert self.workspace is not None and self.task is not None
+        workspace = self.workspace
+        if name == "list_files":
+            return list_files_tool(workspace)
+        if name == "view_file":
+            return view_file_tool(workspace, arguments["path"])
+        if name == "replace":
+            return replace_tool(workspace, arguments["path"], arguments["old"], arguments["new"])
+        if name == "write_file":
+            return write_file_tool(workspace, arguments["path"], arguments["content"])
+        if name == "run_tests":
+            return test_excerpt(self.sandbox.run(workspace.root, self.task.test_command))
+        raise ValueError(f"no such tool {name!r}")  # parse_tool_call lets none through
+
+    # -- scoring --------------------------------------------------------------------------
+
+    def verify(self) -> VerifyResult:
+        """Score the current files with the hidden tests (protected files restored)."""
+        if self.task is None or self.workspace is None:
+            raise RuntimeError("verify() needs an attempt; call reset() first")
+        return verify_files(self.task, self.workspace.snapshot(), self.sandbox)
+
+    def audit(self) -> AuditResult:
+        """Audit the current files and the tool calls made so far."""
+        if self.task is None or self.workspace is None:
+            raise RuntimeError("audit() needs an attempt; call reset() first")
+        return audit_attempt(self.task, self.workspace.snapshot(), self.tool_calls)
+
+    def _max_turns(self) -> int:
+        budget = self.task.budget if self.task is not None else None
+        return budget.max_turns if budget is not None and budget.max_turns else self.max_turns
+
+    def _max_seconds(self) -> float | None:
+        budget = self.task.budget if self.task is not None else None
+        if budget is not None and budget.max_seconds is not None:
+            return budget.max_seconds
+        return self.max_seconds
+
+    def _cleanup(self) -> None:
+        if self.workspace is not None:
+            shutil.rmtree(self.workspace.root, ignore_errors=True)
+            self.workspace = None
+
+    def close(self) -> None:
+        """Delete the current attempt's workspace."""
+        self._cleanup()
+        self._done = True
+        super().close()

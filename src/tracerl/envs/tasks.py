@@ -1,0 +1,290 @@
+"""The task format: a JSON-lines file, one task per line, and its checks.
+
+A task is a small repository (``files``), a visible test command the agent may run, files it
+may read but must not change (``protected``), and hidden tests it never sees, run by the
+verifier after the attempt. See ``docs/envs.md`` for the format with an example.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from tracerl.envs.sandbox import Sandbox, SandboxResult
+
+REQUIRED_FIELDS = ("id", "family", "instruction", "files", "protected", "test_command",
+                   "hidden_files", "hidden_test_command")
+OPTIONAL_FIELDS = ("solution", "budget")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Per-attempt limits a task asks for; any left as None falls back to the caller's."""
+
+    max_turns: int | None = None
+    """Most tool calls (environment steps) before the attempt is truncated."""
+    max_new_tokens: int | None = None
+    """Most tokens the policy may generate over the attempt (enforced by the collector)."""
+    max_seconds: float | None = None
+    """Most wall-clock seconds for the attempt before it is truncated."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_new_tokens", "max_seconds"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value <= 0):
+                raise ValueError(f"budget.{name} must be a positive number, got {value!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in (("max_turns", self.max_turns),
+                                  ("max_new_tokens", self.max_new_tokens),
+                                  ("max_seconds", self.max_seconds)) if v is not None}
+
+
+@dataclass(frozen=True)
+class Task:
+    """One coding task (one line of a task file)."""
+
+    id: str
+    """Unique name of the task within its set."""
+    family: str
+    """Kind of task (e.g. a bug family of the built-in suite); used to group reports."""
+    instruction: str
+    """What the agent is asked to do; the start of its first observation."""
+    files: Mapping[str, str]
+    """The starting repository: relative path to text content."""
+    protected: tuple[str, ...]
+    """Glob patterns of files the agent may read but must not change (e.g. visible tests)."""
+    test_command: str
+    """Shell command run in the workspace root by the agent's run-tests tool; exit 0 = pass."""
+    hidden_files: Mapping[str, str]
+    """Files added only for verification, never present while the agent works."""
+    hidden_test_command: str
+    """Shell command the verifier runs with ``hidden_files`` added; exit 0 = solved."""
+    solution: Mapping[str, str] | None = None
+    """Fixed versions of (some of) ``files``, used by ``validate`` to prove the task solvable."""
+    budget: Budget | None = None
+    """Limits this task asks for (turns, tokens, seconds)."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Unknown fields kept as they were, so a round trip loses nothing."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not self.id:
+            raise ValueError("id must be a non-empty string")
+        for name in ("family", "instruction", "test_command", "hidden_test_command"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise ValueError(f"task {self.id}: {name} must be a non-empty string")
+        _check_files(self.id, "files", self.files)
+        if not self.files:
+            raise ValueError(f"task {self.id}: files must not be empty")
+        _check_files(self.id, "hidden_files", self.hidden_files)
+        overlap = sorted(set(self.files) & set(self.hidden_files))
+        if overlap:
+            raise ValueError(f"task {self.id}: hidden_files repeat paths of files: {overlap}")
+        if (not isinstance(self.protected, tuple)
+                or not all(isinstance(p, str) and p for p in self.protected)):
+            raise ValueError(f"task {self.id}: protected must be a list of glob strings")
+        if self.solution is not None:
+            _check_files(self.id, "solution", self.solution)
+            hidden = sorted(set(self.solution) & set(self.hidden_files))
+            if hidden:
+                raise ValueError(f"task {self.id}: solution must not write hidden files {hidden}")
+
+    def is_protected(self, path: str) -> bool:
+        """True when ``path`` matches one of the protected glob patterns."""
+        return any(fnmatch.fnmatchcase(path, pattern) for pattern in self.protected)
+
+    def protected_files(self) -> dict[str, str]:
+        """The starting content of every protected file."""
+        return {p: c for p, c in self.files.items() if self.is_protected(p)}
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id, "family": self.family, "instruction": self.instruction,
+            "files": dict(self.files), "protected": list(self.protected),
+            "test_command": self.test_command, "hidden_files": dict(self.hidden_files),
+            "hidden_test_command": self.hidden_test_command,
+        }
+        if self.solution is not None:
+            out["solution"] = dict(self.solution)
+        if self.budget is not None:
+            out["budget"] = self.budget.to_dict()
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_dict(cls, row: Mapping[str, Any]) -> Task:
+        """Build a task from a parsed JSON object (or a ``datasets`` row).
+
+        ``datasets`` turns the per-task ``{path: content}`` maps into one struct column whose
+        keys are the union over tasks, with None where a task lacks the path; those Nones are
+        dropped here.
+        """
+        if not isinstance(row, Mapping):
+            raise ValueError(f"a task must be a JSON object, got {type(row).__name__}")
+        missing = [name for name in REQUIRED_FIELDS if name not in row]
+        if missing:
+            raise ValueError(f"task {row.get('id', '?')}: missing fields {missing}")
+        budget = row.get("budget")
+        if budget is not None and not isinstance(budget, Mapping):
+            raise ValueError(f"task {row['id']}: budget must be an object")
+        unknown_budget = set(budget or {}) - {"max_turns", "max_new_tokens", "max_seconds"}
+        if unknown_budget:
+            raise ValueError(f"task {row['id']}: unknown budget keys {sorted(unknown_budget)}")
+        protected = row["protected"]
+        if not isinstance(protected, list | tuple):
+            raise ValueError(f"task {row['id']}: protected must be a list of glob strings")
+        known = set(REQUIRED_FIELDS) | set(OPTIONAL_FIELDS)
+        return cls(
+            id=row["id"], family=row["family"], instruction=row["instruction"],
+            files=_drop_none(row["id"], "files", row["files"]),
+            protected=tuple(protected), test_command=row["test_command"],
+            hidden_files=_drop_none(row["id"], "hidden_files", row["hidden_files"]),
+            hidden_test_command=row["hidden_test_command"],
+            solution=(None if row.get("solution") is None
+                      else _drop_none(row["id"], "solution", row["solution"])),
+            budget=None if budget is None else Budget(**{k: v for k, v in budget.items()
+                                                         if v is not None}),
+            extra={k: v for k, v in row.items() if k not in known},
+        )
+
+
+def _drop_none(task_id: str, name: str, value: Any) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"task {task_id}: {name} must be an object of path: content")
+    return {k: v for k, v in value.items() if v is not None}
+
+
+def check_relative_path(path: str) -> str:
+    """Return ``path`` normalised, or raise ValueError if it could leave the workspace."""
+    if not isinstance(path, str) or not path or "\x00" in path or "\\" in path:
+        raise ValueError(f"path must be a non-empty relative POSIX path, got {path!r}")
+    pure = PurePosixPath(path)
+    if pure.is_absolute() or ".." in pure.parts:
+        raise ValueError(f"path must stay inside the workspace, got {path!r}")
+    normal = str(PurePosixPath(*[p for p in pure.parts if p != "."])) if pure.parts else ""
+    if normal in ("", "."):
+        raise ValueError(f"path must name a file, got {path!r}")
+    return normal
+
+
+def _check_files(task_id: str, name: str, files: Mapping[str, str]) -> None:
+    if not isinstance(files, Mapping):
+        raise ValueError(f"task {task_id}: {name} must be an object of path: content")
+    for path, content in files.items():
+        try:
+            if check_relative_path(path) != path:
+                raise ValueError(f"path must be normalised, got {path!r}")
+        except ValueError as error:
+            raise ValueError(f"task {task_id}: {name}: {error}") from None
+        if not isinstance(content, str):
+            raise ValueError(f"task {task_id}: {name}[{path!r}] must be a string")
+
+
+# -- files ----------------------------------------------------------------------------------
+
+def load_tasks(path: str | Path) -> list[Task]:
+    """Read a JSON-lines task file; errors name the line. Ids must be unique."""
+    tasks: list[Task] = []
+    seen: set[str] = set()
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                task = Task.from_dict(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"{path}:{number}: {error}") from None
+            if task.id in seen:
+                raise ValueError(f"{path}:{number}: duplicate task id {task.id!r}")
+            seen.add(task.id)
+            tasks.append(task)
+    return tasks
+
+
+def dump_tasks(tasks: Iterable[Task], path: str | Path) -> int:
+    """Write tasks as JSON lines; returns how many were written."""
+    count = 0
+    with open(path, "w", encoding="utf-8") as handle:
+        for task in tasks:
+            handle.write(json.dumps(task.to_dict(), sort_keys=True) + "\n")
+            count += 1
+    return count
+
+
+def write_files(root: Path, files: Mapping[str, str]) -> None:
+    """Write ``files`` under ``root``, creating directories (paths are checked first)."""
+    for path, content in files.items():
+        target = root / check_relative_path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(content, encoding="utf-8")
+
+
+# -- validation -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TaskCheck:
+    """The outcome of validating one task."""
+
+    task_id: str
+    """The task checked."""
+    problems: tuple[str, ...]
+    """What is wrong, one sentence each; empty when the task is valid."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def run_in_fresh_workspace(sandbox: Sandbox, files: Mapping[str, str],
+                           command: str) -> SandboxResult:
+    """Materialise ``files`` in a new temporary workspace and run ``command`` there."""
+    with tempfile.TemporaryDirectory(prefix="tracerl-ws-") as tmp:
+        root = Path(tmp)
+        write_files(root, files)
+        return sandbox.run(root, command)
+
+
+def validate_task(task: Task, sandbox: Sandbox) -> TaskCheck:
+    """Check that the start fails the hidden tests and that the solution passes both."""
+    problems: list[str] = []
+    start = run_in_fresh_workspace(sandbox, {**task.files, **task.hidden_files},
+                                   task.hidden_test_command)
+    if start.exit_code == 0:
+        problems.append("the starting files already pass the hidden tests")
+    if task.solution is not None:
+        fixed = {**task.files, **task.solution}
+        visible = run_in_fresh_workspace(sandbox, fixed, task.test_command)
+        if visible.exit_code != 0:
+            problems.append("the solution fails the visible tests: "
+                            + _last_line(visible))
+        hidden = run_in_fresh_workspace(sandbox, {**fixed, **task.hidden_files},
+                                        task.hidden_test_command)
+        if hidden.exit_code != 0:
+            problems.append("the solution fails the hidden tests: " + _last_line(hidden))
+        touched = sorted(p for p in task.solution if task.is_protected(p))
+        if touched:
+            problems.append(f"the solution changes protected files {touched}")
+    return TaskCheck(task.id, tuple(problems))
+
+
+def validate_tasks(tasks: Sequence[Task], sandbox: Sandbox, *,
+                   workers: int = 2) -> list[TaskCheck]:
+    """Validate many tasks, ``workers`` sandboxes at a time; results keep the input order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(lambda t: validate_task(t, sandbox), tasks))
+
+
+def _last_line(result: SandboxResult) -> str:
+    lines = [ln for ln in (result.stdout + "\n" + result.stderr).splitlines() if ln.strip()]
+    return f"exit {result.exit_code}" + (f", {lines[-1].strip()[:200]}" if lines else "")

@@ -1,0 +1,246 @@
+"""The agent's tools: parsing tool calls from policy text, their JSON schemas, and the tools.
+
+Tool calls are written the way Hugging Face chat templates (Hermes, Qwen) write them::
+
+    <tool_call>{"name": "view_file", "arguments": {"path": "calc.py"}}</tool_call>
+
+Observations are short and regular on purpose: the demo's policy is a tiny model that has to
+learn the formats. Mistakes of the agent (no call, bad JSON, unknown tool, bad arguments, a
+missing file) come back as an observation starting with ``error:``; those are not tool errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tracerl.envs.sandbox import WORKSPACE_MOUNT, SandboxResult
+from tracerl.envs.tasks import check_relative_path
+
+TOOL_NAMES = ("list_files", "view_file", "replace", "write_file", "run_tests", "submit")
+"""Every tool, in the order the schemas list them."""
+
+_PARAMS: dict[str, tuple[dict[str, str], str]] = {
+    "list_files": ({}, "List the files of the repository, one path per line."),
+    "view_file": ({"path": "File to show, relative to the repository root."},
+                  "Show a file with line numbers."),
+    "replace": ({"path": "File to edit.", "old": "Exact text to replace; must occur once.",
+                 "new": "Text to put in its place."},
+                "Replace the one occurrence of `old` in a file with `new`."),
+    "write_file": ({"path": "File to write.", "content": "The whole new content."},
+                   "Create or overwrite a file."),
+    "run_tests": ({}, "Run the visible tests. Answers PASS, or FAIL and what failed."),
+    "submit": ({}, "End the attempt; the final files are then checked by hidden tests."),
+}
+
+TOOL_SCHEMAS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": _PARAMS[name][1],
+            "parameters": {
+                "type": "object",
+                "properties": {p: {"type": "string", "description": d}
+                               for p, d in _PARAMS[name][0].items()},
+                "required": list(_PARAMS[name][0]),
+            },
+        },
+    }
+    for name in TOOL_NAMES
+]
+"""OpenAI function-format schemas; pass as ``tools=`` to ``tokenizer.apply_chat_template``."""
+
+MAX_VIEW_LINES = 200
+"""Longest file ``view_file`` shows; the rest is cut, marked."""
+MAX_LINE_CHARS = 160
+"""Longest line in a test failure excerpt."""
+
+_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed tool call."""
+
+    name: str
+    """The tool's name (one of ``TOOL_NAMES``)."""
+    arguments: Mapping[str, Any] = field(default_factory=dict)
+    """Its arguments, as given."""
+
+
+@dataclass(frozen=True)
+class ParseResult:
+    """What the policy's text asked for: a valid call, or why there is none."""
+
+    call: ToolCall | None
+    """The first tool call, when it is well formed and names a known tool with good
+    arguments."""
+    error: str | None
+    """The agent's mistake, as the observation to show it; None when ``call`` is set."""
+    raw_name: str | None = None
+    """The tool name the text gave, even when the call was rejected (for the audit)."""
+    raw_arguments: Mapping[str, Any] | None = None
+    """The arguments the text gave, even when rejected (for the audit)."""
+
+
+def parse_tool_call(text: str) -> ParseResult:
+    """Parse the first ``<tool_call>`` of ``text`` and check it against the schemas."""
+    match = _CALL_RE.search(text)
+    if match is None:
+        return ParseResult(None, 'error: no tool call. Write <tool_call>{"name": ..., '
+                                 '"arguments": {...}}</tool_call>')
+    try:
+        payload = json.loads(match.group(1).strip())
+    except json.JSONDecodeError as error:
+        return ParseResult(None, f"error: tool call is not valid JSON ({error.msg})")
+    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        return ParseResult(None, 'error: tool call needs "name" and "arguments"')
+    name = payload["name"]
+    arguments = payload.get("arguments", {})
+    if isinstance(arguments, str):  # some templates encode the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            arguments = None
+    if not isinstance(arguments, dict):
+        return ParseResult(None, 'error: "arguments" must be an object', name, None)
+    if name not in _PARAMS:
+        return ParseResult(None, f"error: unknown tool {name}. Tools: {', '.join(TOOL_NAMES)}",
+                           name, arguments)
+    expected = _PARAMS[name][0]
+    missing = [p for p in expected if p not in arguments]
+    extra = sorted(set(arguments) - set(expected))
+    wrong = [p for p in expected if p in arguments and not isinstance(arguments[p], str)]
+    problem = (f"missing argument {missing[0]}" if missing
+               else f"unknown argument {extra[0]}" if extra
+               else f"argument {wrong[0]} must be a string" if wrong else None)
+    if problem is not None:
+        return ParseResult(None, f"error: {name}: {problem}", name, arguments)
+    return ParseResult(ToolCall(name, dict(arguments)), None, name, arguments)
+
+
+class PathError(ValueError):
+    """The agent named a path it may not use (outside the workspace, a link, missing)."""
+
+
+class Workspace:
+    """A directory on the host holding one attempt's files; tools act on it directly."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root.resolve()
+
+    def resolve(self, path: str, *, must_exist: bool) -> Path:
+        """The host path of ``path``, refusing anything that leaves the workspace.
+
+        Links are refused too: code run by the tests could plant a link to a host file and
+        then ask ``view_file`` (which runs outside the sandbox) to read it.
+        """
+        try:
+            relative = check_relative_path(path)
+        except ValueError:
+            raise PathError(f"path must be inside the repository: {path}") from None
+        target = self.root / relative
+        for parent in [target, *target.parents]:
+            if parent == self.root:
+                break
+            if parent.is_symlink():
+                raise PathError(f"{path} is a link; links are not followed")
+        if os.path.realpath(target) != str(target):
+            raise PathError(f"path must be inside the repository: {path}")
+        if must_exist and not target.is_file():
+            raise PathError(f"no such file: {path}")
+        return target
+
+    def list_files(self) -> list[str]:
+        """Every regular file, relative and sorted; links and special files are skipped."""
+        out: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+            for name in filenames:
+                full = os.path.join(dirpath, name)
+                if os.path.isfile(full) and not os.path.islink(full):
+                    out.append(os.path.relpath(full, self.root))
+        return sorted(out)
+
+    def read(self, path: str) -> str:
+        return self.resolve(path, must_exist=True).read_text(encoding="utf-8", errors="replace")
+
+    def write(self, path: str, content: str) -> None:
+        target = self.resolve(path, must_exist=False)
+        if target.exists() and not target.is_file():
+            raise PathError(f"{path} is not a file")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(content, encoding="utf-8")
+
+    def snapshot(self, max_bytes: int = 1 << 20) -> dict[str, str]:
+        """The text of every regular file (each cut at ``max_bytes``)."""
+        files: dict[str, str] = {}
+        for path in self.list_files():
+            with open(self.root / path, "rb") as handle:
+                files[path] = handle.read(max_bytes).decode("utf-8", errors="replace")
+        return files
+
+
+# -- tool bodies ----------------------------------------------------------------------------
+
+def list_files_tool(workspace: Workspace) -> str:
+    files = workspace.list_files()
+    return "\n".join(files) if files else "(no files)"
+
+
+def view_file_tool(workspace: Workspace, path: str) -> str:
+    lines = workspace.read(path).splitlines()
+    shown = [f"{number}: {line}" for number, line in enumerate(lines[:MAX_VIEW_LINES], 1)]
+    if len(lines) > MAX_VIEW_LINES:
+        shown.append(f"[{len(lines) - MAX_VIEW_LINES} more lines]")
+    return "\n".join(shown) if shown else "(empty file)"
+
+
+def replace_tool(workspace: Workspace, path: str, old: str, new: str) -> str:
+    if not old:
+        return "error: replace: old must not be empty"
+    text = workspace.read(path)
+    count = text.count(old)
+    if count == 0:
+        return f"error: replace: old text not found in {path}"
+    if count > 1:
+        return f"error: replace: old text found {count} times in {path}; give more context"
+    workspace.write(path, text.replace(old, new, 1))
+    return "OK"
+
+
+def write_file_tool(workspace: Workspace, path: str, content: str) -> str:
+    workspace.write(path, content)
+    return "OK"
+
+
+def test_excerpt(result: SandboxResult) -> str:
+    """``PASS``, or ``FAIL`` and a few deterministic lines saying what failed.
+
+    Lines starting with ``FAIL`` (the built-in suite's format) are shown, without that word;
+    otherwise the
+    last traceback location, its source line and the error. Sandbox paths are made relative.
+    """
+    if result.exit_code == 0 and not result.timed_out:
+        return "PASS"
+    if result.killed_reason is not None:
+        return f"FAIL\nkilled: {result.killed_reason}"
+    text = (result.stdout + "\n" + result.stderr).replace(WORKSPACE_MOUNT + "/", "")
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    body = [line[4:].strip() for line in lines if line.startswith("FAIL ")][:3]
+    if not body:
+        locations = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "')]
+        if locations:
+            at = locations[-1]
+            body = [line.strip() for line in lines[at:at + 2]]
+        if lines and (not body or lines[-1].strip() != body[-1]):
+            body.append(lines[-1].strip())
+    if not body:
+        body = [f"exit code {result.exit_code}"]
+    return "FAIL\n" + "\n".join(line[:MAX_LINE_CHARS] for line in body)
