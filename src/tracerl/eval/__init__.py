@@ -1,0 +1,25 @@
+"""Evaluation: fixed-budget success on hidden tests, costs, fault recovery, hack audits, reports.
+
+See ``docs/evaluation.md``.
+"""
+
+from __future__ import annotations
+
+from tracerl.eval.audit import HACK_KINDS, HackFlag, hack_flag, hack_flags, hack_summary
+from tracerl.eval.stats import bootstrap_ci, pass_at_k, pass_at_k_table
+from tracerl.eval.summary import hidden_passed, succeeded, summarize, visible_passed
+
+__all__ = [
+    "HACK_KINDS",
+    "HackFlag",
+    "bootstrap_ci",
+    "hack_flag",
+    "hack_flags",
+    "hack_summary",
+    "hidden_passed",
+    "pass_at_k",
+    "pass_at_k_table",
+    "succeeded",
+    "summarize",
+    "visible_passed",
+]

@@ -1,0 +1,136 @@
+"""From recorded attempts to the numbers of a fixed-budget evaluation.
+
+Success is decided here, once: an attempt succeeded when the verifier ran, its hidden tests
+passed, and the audit did not flag it. Anything else, including an attempt that never reached
+the verifier (a tool error, a cancellation), is not a success. Means are over every attempt
+of the fixed budget; infrastructure failures are also reported apart, so that their effect
+on the headline number is visible rather than hidden.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tracerl.eval.audit import hack_flag, hack_flags, hack_summary
+from tracerl.eval.stats import bootstrap_ci, pass_at_k_table
+from tracerl.trace.schema import ATTEMPT_ENDINGS, Attempt, EndReason
+
+INFRASTRUCTURE_ENDINGS = frozenset({EndReason.TOOL_ERROR, EndReason.CANCELLED})
+"""Endings that are the infrastructure's doing, not the policy's."""
+
+_VISIBLE_KEYS = ("visible_pass", "visible_passed", "visible")
+_HIDDEN_KEYS = ("hidden_pass", "hidden_passed", "hidden")
+
+
+def _detail(attempt: Attempt, keys: Sequence[str]) -> bool | None:
+    """A named pass/fail sub-score from the verifier's details or the reward components."""
+    sources: list[Mapping[str, float]] = []
+    if attempt.verifier is not None:
+        sources.append(attempt.verifier.details)
+    sources.append(attempt.rewards)
+    for source in sources:
+        for key in keys:
+            if key in source:
+                return bool(source[key] >= 1.0)
+    return None
+
+
+def hidden_passed(attempt: Attempt) -> bool:
+    """The hidden tests passed (the verifier's verdict); False when no verifier ran."""
+    if attempt.verifier is None:
+        return False
+    named = _detail(attempt, _HIDDEN_KEYS)
+    return attempt.verifier.passed if named is None else named and attempt.verifier.passed
+
+
+def visible_passed(attempt: Attempt) -> bool | None:
+    """The visible tests passed on the final files; None when the verifier did not record it."""
+    if attempt.verifier is None:
+        return None
+    return _detail(attempt, _VISIBLE_KEYS)
+
+
+def succeeded(attempt: Attempt) -> bool:
+    """Verified by the hidden tests and not flagged by the audit."""
+    return hidden_passed(attempt) and hack_flag(attempt) is None
+
+
+def summarize(attempts: Sequence[Attempt], families: Mapping[str, str], *, max_k: int,
+              seed: int = 0, resamples: int = 2000) -> dict[str, Any]:
+    """The evaluation's numbers from its attempts.
+
+    ``families`` maps every evaluated task id to its family; a task with no attempt is an
+    error (the budget was not spent as stated), as is an attempt at an unknown task.
+    ``max_k`` is the largest k of pass@k (normally the samples per task).
+    """
+    if not attempts:
+        raise ValueError("attempts: nothing to summarize")
+    by_task: dict[str, list[Attempt]] = defaultdict(list)
+    for attempt in attempts:
+        if attempt.task_id not in families:
+            raise ValueError(f"attempt {attempt.attempt_id}: unknown task {attempt.task_id!r}")
+        by_task[attempt.task_id].append(attempt)
+    missing = sorted(set(families) - set(by_task))
+    if missing:
+        raise ValueError(f"{len(missing)} task(s) have no attempt, e.g. {missing[0]!r}")
+    task_ids = sorted(by_task)
+    scores = {t: [1.0 if succeeded(a) else 0.0 for a in by_task[t]] for t in task_ids}
+    result = _block([scores[t] for t in task_ids], seed=seed, resamples=resamples)
+    result["pass_at_k"] = pass_at_k_table(
+        {t: (len(scores[t]), int(sum(scores[t]))) for t in task_ids}, max_k)
+    family_names = sorted({families[t] for t in task_ids})
+    result["by_family"] = {
+        name: _block([scores[t] for t in task_ids if families[t] == name], seed=seed,
+                     resamples=resamples)
+        for name in family_names}
+    endings = Counter(a.end_reason.value for a in attempts)
+    result["by_ending"] = {r.value: endings.get(r.value, 0) for r in ATTEMPT_ENDINGS}
+    result["success_by_ending"] = {
+        r.value: sum(succeeded(a) for a in attempts if a.end_reason is r) / endings[r.value]
+        for r in ATTEMPT_ENDINGS if endings.get(r.value)}
+    clean = [a for a in attempts if a.end_reason not in INFRASTRUCTURE_ENDINGS]
+    result["infrastructure_failures"] = len(attempts) - len(clean)
+    result["success_excluding_infrastructure"] = (
+        sum(map(succeeded, clean)) / len(clean) if clean else None)
+    result.update(_independence(attempts))
+    flags = hack_flags(attempts)
+    result["hack_flags"] = hack_summary(flags)
+    result["hack_flagged_but_hidden_passed"] = sum(
+        1 for a in attempts if hack_flag(a) is not None and hidden_passed(a))
+    result["generated_tokens"] = sum(a.costs.generated_tokens for a in attempts)
+    result["tool_seconds"] = sum(a.costs.tool_seconds for a in attempts)
+    result["tool_calls"] = sum(a.costs.tool_calls for a in attempts)
+    result["turns"] = sum(a.costs.turns for a in attempts)
+    result["attempt_seconds"] = sum(max(a.timings.finished_at - a.timings.started_at, 0.0)
+                                    for a in attempts)
+    result["per_task"] = {t: {"family": families[t], "attempts": len(scores[t]),
+                              "successes": int(sum(scores[t]))} for t in task_ids}
+    return result
+
+
+def _block(per_task: list[list[float]], *, seed: int, resamples: int) -> dict[str, Any]:
+    attempts = sum(len(s) for s in per_task)
+    low, high = bootstrap_ci(per_task, seed=seed, resamples=resamples)
+    return {"success": sum(sum(s) for s in per_task) / attempts, "ci95": [low, high],
+            "tasks": len(per_task), "attempts": attempts}
+
+
+def _independence(attempts: Sequence[Attempt]) -> dict[str, Any]:
+    """Visible- vs hidden-test success, so that overfitting the visible tests shows."""
+    verified = [a for a in attempts if a.verifier is not None]
+    visible = [visible_passed(a) for a in verified]
+    known = [v for v in visible if v is not None]
+    out: dict[str, Any] = {
+        "verified_attempts": len(verified),
+        "hidden_success": sum(map(hidden_passed, attempts)) / len(attempts),
+        "visible_success": (sum(known) / len(attempts)) if len(known) == len(verified) and
+        verified else None,
+        "visible_not_hidden": sum(1 for a, v in zip(verified, visible, strict=True)
+                                  if v and not hidden_passed(a)),
+    }
+    if verified and len(known) < len(verified):
+        out["visible_success_note"] = (
+            f"{len(verified) - len(known)} verified attempt(s) did not record the visible tests")
+    return out

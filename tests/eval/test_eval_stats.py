@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from tracerl.eval.stats import bootstrap_ci, pass_at_k, pass_at_k_table
+
+
+def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
+    """Fraction of all k-subsets of n attempts (c correct) containing a correct one."""
+    outcomes = [1] * c + [0] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(outcomes[i] for i in s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_pass_at_k_equals_enumeration(n: int) -> None:
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            assert pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(n, c, k), abs=1e-12)
+
+
+def test_pass_at_k_large_n_is_finite_and_matches_comb() -> None:
+    n, c, k = 200, 7, 50
+    expected = 1 - math.comb(n - c, k) / math.comb(n, k)
+    assert pass_at_k(n, c, k) == pytest.approx(expected, rel=1e-12)
+
+
+def test_pass_at_1_is_the_success_rate_and_table_averages_tasks() -> None:
+    table = pass_at_k_table({"a": (4, 1), "b": (4, 4), "c": (4, 0)}, 4)
+    assert list(table) == ["1", "2", "3", "4"]
+    assert table["1"] == pytest.approx((0.25 + 1 + 0) / 3)
+    assert table["4"] == pytest.approx((1 + 1 + 0) / 3)
+
+
+@pytest.mark.parametrize("bad", [dict(n=3, c=4, k=1), dict(n=3, c=1, k=0), dict(n=3, c=1, k=4),
+                                 dict(n=-1, c=0, k=1)])
+def test_pass_at_k_refuses_bad_counts(bad: dict[str, int]) -> None:
+    with pytest.raises(ValueError):
+        pass_at_k(**bad)
+
+
+def test_pass_at_k_table_refuses_tasks_with_fewer_attempts_than_k() -> None:
+    with pytest.raises(ValueError, match="'b'"):
+        pass_at_k_table({"a": (4, 1), "b": (2, 1)}, 4)
+
+
+def test_bootstrap_is_deterministic_under_a_seed() -> None:
+    rng = np.random.default_rng(1)
+    per_task = [list(rng.integers(0, 2, size=8).astype(float)) for _ in range(30)]
+    assert bootstrap_ci(per_task, seed=3) == bootstrap_ci(per_task, seed=3)
+    assert bootstrap_ci(per_task, seed=3) != bootstrap_ci(per_task, seed=4)
+
+
+def test_bootstrap_over_tasks_is_wide_for_correlated_samples() -> None:
+    # 40 tasks x 8 samples, perfectly correlated within a task: half the tasks always pass.
+    # The information is 40 task outcomes, not 320 independent attempts.
+    tasks, samples = 40, 8
+    per_task = [[1.0] * samples if t % 2 == 0 else [0.0] * samples for t in range(tasks)]
+    low, high = bootstrap_ci(per_task, seed=0, resamples=4000)
+    assert low < 0.5 < high
+    by_tasks = 2 * 1.96 * math.sqrt(0.25 / tasks)  # normal width with 40 independent units
+    assert (high - low) == pytest.approx(by_tasks, rel=0.15)
+    # Treating each attempt as its own "task" (the naive interval) is far too narrow.
+    naive_low, naive_high = bootstrap_ci([[v] for s in per_task for v in s], seed=0,
+                                         resamples=4000)
+    assert (high - low) > 2.4 * (naive_high - naive_low)
+
+
+def test_bootstrap_of_identical_tasks_has_no_width_and_unequal_sizes_weight_attempts() -> None:
+    assert bootstrap_ci([[1.0, 0.0]] * 10, seed=0) == (0.5, 0.5)
+    low, high = bootstrap_ci([[1.0], [0.0, 0.0, 0.0]], seed=0, resamples=500)
+    assert 0.0 <= low <= 0.25 <= high <= 1.0
+
+
+def test_bootstrap_refuses_empty_input() -> None:
+    with pytest.raises(ValueError, match="per_task"):
+        bootstrap_ci([])
+    with pytest.raises(ValueError, match="at least one attempt"):
+        bootstrap_ci([[1.0], []])
