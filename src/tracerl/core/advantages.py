@@ -178,7 +178,9 @@ def _passthrough_recurrence(
         inputs = [torch.nn.functional.pad(u, (0, pad)) for u in inputs]
         maskf = torch.nn.functional.pad(maskf, (0, pad))
     n = (t + pad) // chunk
-    g = (maskf * (decay - 1.0) + 1.0).view(b * n, chunk)  # (B*nC, C)
+    # g = decay on actions, 1 elsewhere; written as a sum with one zero term so that a tiny
+    # decay is not rounded away the way 1 + (decay - 1) would round it.
+    g = (1.0 - maskf).add_(maskf, alpha=decay).view(b * n, chunk)  # (B*nC, C)
     p_incl = torch.cumprod(g, dim=-1)
     p_excl = p_incl.div_(g)
     chunk_decay = (p_excl[:, -1] * g[:, -1]).view(b, n)  # decay across a whole chunk
@@ -256,6 +258,9 @@ def batch_gae(
         raise ValueError("rewards has nonzero entries on positions where action_mask is 0")
     values_on_actions = v * maskf
     decay = gamma * trace_decay
+    if torch.tensor(decay, dtype=r.dtype) == 0:
+        # A decay that underflows in this dtype contributes nothing the dtype can hold.
+        decay = 0.0
     if gamma == 0.0:
         returns = rewards_on_actions
     elif decay == 0.0:
