@@ -17,7 +17,7 @@ from typing import Any
 
 from tracerl.envs.sandbox import Sandbox
 from tracerl.envs.tasks import Task, check_relative_path, run_in_fresh_workspace
-from tracerl.envs.tools import test_excerpt
+from tracerl.envs.tools import failure_excerpt
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def verify_files(task: Task, final_files: Mapping[str, str], sandbox: Sandbox) -
     return VerifyResult(
         reward=1.0 if passed else 0.0, hidden_passed=passed,
         visible_passed=visible.exit_code == 0 and not visible.timed_out,
-        output=test_excerpt(hidden), seconds=time.monotonic() - start,
+        output=failure_excerpt(hidden), seconds=time.monotonic() - start,
     )
 
 

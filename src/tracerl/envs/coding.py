@@ -31,10 +31,10 @@ from tracerl.envs.tasks import Task, write_files
 from tracerl.envs.tools import (
     PathError,
     Workspace,
+    failure_excerpt,
     list_files_tool,
     parse_tool_call,
     replace_tool,
-    test_excerpt,
     view_file_tool,
     write_file_tool,
 )
@@ -190,7 +190,7 @@ class CodingEnv(gym.Env[str, str]):
         if name == "write_file":
             return write_file_tool(workspace, arguments["path"], arguments["content"])
         if name == "run_tests":
-            return test_excerpt(self.sandbox.run(workspace.root, self.task.test_command))
+            return failure_excerpt(self.sandbox.run(workspace.root, self.task.test_command))
         raise ValueError(f"no such tool {name!r}")  # parse_tool_call lets none through
 
     # -- scoring --------------------------------------------------------------------------

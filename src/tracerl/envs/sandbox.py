@@ -183,8 +183,12 @@ class Sandbox:
     # -- command construction -------------------------------------------------------------
 
     def _host_uid(self) -> int | None:
-        """A host uid for this run when we are root; None to keep our own uid."""
-        if not self._is_root:
+        """A host uid for this run when we are root; None to keep our own uid.
+
+        Unsafe mode keeps our uid: without bubblewrap's mounts a fresh uid could not even
+        reach an interpreter installed under a private home, and unsafe means no isolation.
+        """
+        if not self._is_root or not self.isolated:
             return None
         # A distinct uid per concurrent run, so one sandbox's fork bomb cannot use up the
         # process budget of another (RLIMIT_NPROC is counted per host uid).

@@ -220,7 +220,7 @@ def write_file_tool(workspace: Workspace, path: str, content: str) -> str:
     return "OK"
 
 
-def test_excerpt(result: SandboxResult) -> str:
+def failure_excerpt(result: SandboxResult) -> str:
     """``PASS``, or ``FAIL`` and a few deterministic lines saying what failed.
 
     Lines starting with ``FAIL`` (the built-in suite's format) are shown, without that word;

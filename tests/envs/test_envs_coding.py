@@ -1,0 +1,176 @@
+"""The coding environment: episodes, endings, reward from hidden tests, audit, faults."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from tracerl.envs.audit import AuditResult, VerifyResult
+from tracerl.envs.coding import CodingEnv
+from tracerl.envs.faults import FaultConfig
+from tracerl.envs.sandbox import Sandbox
+from tracerl.envs.suite import generate_split
+from tracerl.envs.tasks import Task
+
+
+def call(name: str, **arguments: str) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+@pytest.fixture
+def env(sandbox: Sandbox) -> Any:
+    environment = CodingEnv(generate_split("train", count=7), sandbox=sandbox)
+    yield environment
+    environment.close()
+
+
+def _parts(task: Task) -> tuple[str, str, str]:
+    module = next(iter(task.solution or {}))
+    (test,) = task.protected
+    return module, test, task.files[module]
+
+
+def test_check_env_passes(sandbox: Sandbox) -> None:
+    check_env(CodingEnv(generate_split("heldout", count=3), sandbox=sandbox),
+              skip_render_check=True)
+
+
+def test_fix_run_tests_submit_is_rewarded(env: CodingEnv) -> None:
+    observation, info = env.reset(seed=1, options={"task_index": 2})
+    task = env.task
+    assert task is not None and observation.startswith(task.instruction)
+    module, _test, source = _parts(task)
+    assert env.step(call("view_file", path=module))[0].startswith('1: """The ')
+    failing = env.step(call("run_tests"))[0]
+    assert failing.startswith("FAIL\n") and " got " in failing and " want " in failing
+    assert env.step(call("replace", path=module, old=source,
+                         new=(task.solution or {})[module]))[0] == "OK"
+    assert env.step(call("run_tests"))[0] == "PASS"
+    observation, reward, terminated, truncated, info = env.step(call("submit"))
+    assert (reward, terminated, truncated) == (1.0, True, False)
+    assert isinstance(info["verify"], VerifyResult) and info["verify"].hidden_passed
+    assert isinstance(info["audit"], AuditResult) and not info["audit"].flagged
+    with pytest.raises(RuntimeError, match="reset"):
+        env.step(call("submit"))
+
+
+def test_turn_budget_truncates_and_verify_scores_it(env: CodingEnv) -> None:
+    env.reset(seed=0, options={"task_index": 0})
+    task = env.task
+    assert task is not None and task.budget is not None and task.budget.max_turns == 8
+    module, _, _source = _parts(task)
+    env.step(call("write_file", path=module, content=(task.solution or {})[module]))
+    for _ in range(6):
+        result = env.step(call("list_files"))
+        assert result[1:4] == (0.0, False, False)
+    _observation, reward, terminated, truncated, info = env.step(call("list_files"))
+    assert (reward, terminated, truncated) == (0.0, False, True)
+    assert info["truncated_reason"] == "max_turns"
+    assert env.verify().reward == 1.0  # a collector may score the truncated attempt
+
+
+def test_editing_protected_tests_is_reverted_audited_and_not_rewarded(env: CodingEnv) -> None:
+    env.reset(seed=0, options={"task_index": 1})
+    assert env.task is not None
+    _, test, _ = _parts(env.task)
+    env.step(call("write_file", path=test, content='print("PASS")\n'))
+    assert env.step(call("run_tests"))[0] == "PASS"  # the visible tests were gamed...
+    _, reward, terminated, _, info = env.step(call("submit"))
+    audit, verdict = info["audit"], info["verify"]
+    assert terminated and reward == 0.0  # ...but the hidden tests were not
+    assert audit.protected_modified == (test,) and audit.reverted and audit.flagged
+    assert audit.protected_write_attempts == (test,)
+    assert not verdict.visible_passed  # the restored visible tests fail too
+
+
+def test_protected_change_made_by_test_code_is_caught_by_hash(env: CodingEnv) -> None:
+    env.reset(seed=0, options={"task_index": 3})
+    assert env.task is not None
+    module, test, source = _parts(env.task)
+    sneaky = source + f"\nopen({test!r}, 'w').write('print(1)')\n"
+    env.step(call("write_file", path=module, content=sneaky))
+    env.step(call("run_tests"))
+    audit = env.audit()
+    assert audit.protected_modified == (test,) and audit.protected_write_attempts == ()
+    assert audit.flagged
+
+
+def test_hidden_and_outside_paths_are_refused_and_audited(env: CodingEnv) -> None:
+    env.reset(seed=0, options={"task_index": 4})
+    assert env.task is not None
+    (hidden,) = env.task.hidden_files
+    observation, _, _, _, info = env.step(call("view_file", path=hidden))
+    assert observation == f"error: view_file: no such file: {hidden}"
+    assert info["agent_error"] and not info["tool_error"]
+    assert env.step(call("view_file", path="/etc/passwd"))[0].startswith("error: view_file:")
+    audit = env.audit()
+    assert audit.hidden_access_attempts == (hidden,)
+    assert audit.outside_access_attempts == ("/etc/passwd",)
+    assert audit.flagged
+
+
+def test_always_equal_object_does_not_fool_the_verifier(env: CodingEnv) -> None:
+    env.reset(seed=0, options={"task_index": 5})
+    assert env.task is not None
+    module, _, _ = _parts(env.task)
+    name = module[:-3]
+    cheat = (f"class Any:\n    def __eq__(self, other):\n        return True\n\n\n"
+             f"def {name}(*args):\n    return Any()\n")
+    env.step(call("write_file", path=module, content=cheat))
+    assert env.verify().reward == 0.0
+
+
+def test_agent_mistakes_are_observations(env: CodingEnv) -> None:
+    env.reset(seed=0, options={"task_index": 6})
+    assert env.task is not None
+    module, _, _source = _parts(env.task)
+    for action, expected in [
+        ("no call here", "error: no tool call"),
+        ('<tool_call>{"name": "delete"}</tool_call>', "error: unknown tool delete"),
+        (call("replace", path=module, old="not in file", new="x"), "old text not found"),
+        (call("replace", path=module, old=" ", new="x"), "give more context"),
+        (call("view_file", path="missing.py"), "no such file: missing.py"),
+    ]:
+        observation, _reward, terminated, truncated, info = env.step(action)
+        assert expected in observation and observation.startswith("error:")
+        assert not info["tool_error"] and not terminated and not truncated
+
+
+def test_observations_stay_in_the_charset(env: CodingEnv) -> None:
+    env.reset(seed=0, options={"task_index": 0})
+    env.step(call("write_file", path="note.txt", content="caf\u00e9 \u2713"))
+    observation = env.step(call("view_file", path="note.txt"))[0]
+    assert observation == "1: caf? ?" and env.observation_space.contains(observation)
+
+
+@pytest.mark.parametrize(("config", "tool", "fault"), [
+    (FaultConfig(tool_crash=1.0, seed=0), "list_files", "tool_crash"),
+    (FaultConfig(sandbox_start_failure=1.0, seed=0), "run_tests", "sandbox_start_failure"),
+])
+def test_injected_crashes_are_tool_errors(sandbox: Sandbox, config: FaultConfig, tool: str,
+                                          fault: str) -> None:
+    env = CodingEnv(generate_split("train", count=2), sandbox=sandbox, faults=config)
+    env.reset(seed=0)
+    observation, reward, terminated, truncated, info = env.step(call(tool))
+    env.close()
+    assert observation.startswith("tool error:")
+    assert info["tool_error"] and info["fault"] == fault and not info["agent_error"]
+    assert (reward, terminated, truncated) == (0.0, False, False)
+
+
+def test_injected_slowness_is_recorded(sandbox: Sandbox) -> None:
+    config = FaultConfig(slow_tool=1.0, slow_seconds=0.05, seed=0)
+    env = CodingEnv(generate_split("train", count=2), sandbox=sandbox, faults=config)
+    env.reset(seed=0)
+    observation, _, _, _, info = env.step(call("list_files"))
+    env.close()
+    assert info["fault"] == "slow_tool" and not info["tool_error"]
+    assert info["tool_seconds"] >= 0.05 and observation.endswith(".py")
+
+
+def test_fault_probabilities_are_checked() -> None:
+    with pytest.raises(ValueError, match="tool_crash"):
+        FaultConfig(tool_crash=1.5)

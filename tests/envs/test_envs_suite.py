@@ -1,0 +1,105 @@
+"""The built-in suite: deterministic, every family present, splits disjoint, tasks valid."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+import types
+
+import pytest
+
+from tracerl.envs.sandbox import Sandbox
+from tracerl.envs.suite import FAMILIES, TEMPLATES, Template, generate_split
+from tracerl.envs.tasks import Task, validate_tasks
+
+REQUIRED_FAMILIES = {"wrong_operator", "wrong_comparison", "off_by_one", "wrong_constant",
+                     "wrong_variable", "inverted_condition", "wrong_index"}
+
+
+def _passes(files: dict[str, str], test_path: str) -> bool:
+    """Run one generated test file in-process against ``files`` (fast, trusted code only)."""
+    module_path = next(p for p in files if not p.startswith("test_"))
+    name = module_path[:-3]
+    module = types.ModuleType(name)
+    exec(compile(files[module_path], module_path, "exec"), module.__dict__)
+    sys.modules[name] = module
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(files[test_path], test_path, "exec"), {"__name__": "__main__"})
+    except SystemExit as stop:
+        return stop.code in (0, None)
+    finally:
+        del sys.modules[name]
+    return True
+
+
+def test_deterministic_and_extends() -> None:
+    first = generate_split("train", seed=3, count=20)
+    assert first == generate_split("train", seed=3, count=20)
+    assert generate_split("train", seed=3, count=30)[:20] == first
+    assert generate_split("train", seed=4, count=20) != first
+
+
+def test_sizes_and_families() -> None:
+    train, heldout = generate_split("train"), generate_split("heldout")
+    assert len(train) >= 300 and len(heldout) >= 100
+    assert set(FAMILIES) >= REQUIRED_FAMILIES
+    for split in (train, heldout):
+        assert {task.family for task in split} == set(FAMILIES)
+        assert len({task.id for task in split}) == len(split)
+        assert len({tuple(sorted(task.files.items())) for task in split}) > 0.9 * len(split)
+
+
+def test_splits_share_no_templates_names_or_bodies() -> None:
+    train = [t for t in TEMPLATES if t.split == "train"]
+    heldout = [t for t in TEMPLATES if t.split == "heldout"]
+    assert not {n for t in train for n in t.names} & {n for t in heldout for n in t.names}
+    def bodies(templates: list[Template]) -> set[str]:
+        return {t.body.replace("{B}", t.good) for t in templates}
+
+    assert not bodies(train) & bodies(heldout)
+    train_modules = {p for task in generate_split("train") for p in task.files}
+    heldout_modules = {p for task in generate_split("heldout") for p in task.files}
+    assert not train_modules & heldout_modules
+
+
+@pytest.mark.parametrize("split", ["train", "heldout"])
+def test_every_task_fails_at_start_and_passes_with_its_solution(split: str) -> None:
+    for task in generate_split(split):  # type: ignore[arg-type]
+        assert task.solution is not None
+        (test_path,) = task.protected
+        (hidden_path,) = task.hidden_files
+        start = {**task.files, **task.hidden_files}
+        fixed = {**start, **task.solution}
+        assert not _passes(start, test_path), task.id
+        assert not _passes(start, hidden_path), task.id
+        assert _passes(fixed, test_path), task.id
+        assert _passes(fixed, hidden_path), task.id
+        module = next(iter(task.solution))
+        assert 5 <= len(task.files[module].splitlines()) <= 15
+
+
+def test_hidden_values_differ_from_visible() -> None:
+    for task in generate_split("heldout", count=30):
+        (test_path,) = task.protected
+        (hidden_path,) = task.hidden_files
+        visible = {ln for ln in task.files[test_path].splitlines() if ln.startswith("bad +=")}
+        hidden = {ln for ln in task.hidden_files[hidden_path].splitlines()
+                  if ln.startswith("bad +=")}
+        assert len(hidden - visible) >= 3
+
+
+def test_sample_validates_in_the_sandbox(sandbox: Sandbox) -> None:
+    sample: list[Task] = []
+    for split in ("train", "heldout"):
+        sample += generate_split(split, count=len(FAMILIES))  # type: ignore[arg-type]
+    checks = validate_tasks(sample, sandbox, workers=2)
+    assert all(check.ok for check in checks), [c for c in checks if not c.ok]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", ["train", "heldout"])
+def test_whole_split_validates_in_the_sandbox(sandbox: Sandbox, split: str) -> None:
+    checks = validate_tasks(generate_split(split), sandbox, workers=2)  # type: ignore[arg-type]
+    assert all(check.ok for check in checks), [c for c in checks if not c.ok][:3]
