@@ -1,0 +1,166 @@
+"""Reading a run directory written by the trainer, tolerantly.
+
+A run may be in progress (a half-written last metrics line), old (fewer metrics) or from a
+different recipe (no critic). Readers here never invent a number: a value that is not in the
+files is None, and the caller says so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+METRICS_FILES = ("metrics.jsonl", "metrics/metrics.jsonl", "train/metrics.jsonl")
+"""Where the trainer's per-step metrics may be, relative to the run directory, in order."""
+CONFIG_FILES = ("config.yaml", "config.yml", "config.json")
+"""Where the run's resolved config may be."""
+SUMMARY_FILE = "summary.json"
+"""The run's final summary (held-out success before and after, costs)."""
+
+
+def flatten(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as one level with dotted keys (``{"a": {"b": 1}}`` -> ``{"a.b": 1}``)."""
+    out: dict[str, Any] = {}
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """What was found in a run directory."""
+
+    path: Path
+    """The run directory."""
+    metrics: tuple[dict[str, Any], ...]
+    """Per-step metric records, flattened, in file order."""
+    summary: Mapping[str, Any]
+    """``summary.json`` (empty when absent)."""
+    config: Mapping[str, Any]
+    """The run's config (empty when absent)."""
+    evaluations: Mapping[str, Mapping[str, Any]]
+    """Evaluation JSON files found in the run directory, by file name."""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    """What was missing or skipped while reading."""
+
+
+def _read_json(path: Path, notes: list[str]) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        notes.append(f"{path.name}: could not be read ({error})")
+        return {}
+    if not isinstance(data, dict):
+        notes.append(f"{path.name}: not a JSON object")
+        return {}
+    return data
+
+
+def read_metrics(path: Path, notes: list[str]) -> list[dict[str, Any]]:
+    """JSON-lines metric records, flattened; unparseable lines are skipped and noted."""
+    records: list[dict[str, Any]] = []
+    bad: list[int] = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                bad.append(number)
+                continue
+            if isinstance(record, dict):
+                records.append(flatten(record))
+            else:
+                bad.append(number)
+    if bad:
+        notes.append(f"{path.name}: skipped {len(bad)} unreadable line(s) (first: {bad[0]})")
+    return records
+
+
+def read_run(directory: str | Path) -> RunFiles:
+    """Everything the report and the comparison use from one run directory."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise ValueError(f"run directory {str(path)!r} does not exist")
+    notes: list[str] = []
+    metrics: list[dict[str, Any]] = []
+    for name in METRICS_FILES:
+        if (path / name).is_file():
+            metrics = read_metrics(path / name, notes)
+            break
+    else:
+        notes.append("no per-step metrics file (" + ", ".join(METRICS_FILES) + ")")
+    summary = _read_json(path / SUMMARY_FILE, notes) if (path / SUMMARY_FILE).is_file() else {}
+    if not summary:
+        notes.append(f"no {SUMMARY_FILE}")
+    config: dict[str, Any] = {}
+    for name in CONFIG_FILES:
+        if (path / name).is_file():
+            try:
+                loaded = (yaml.safe_load((path / name).read_text(encoding="utf-8"))
+                          if not name.endswith(".json") else
+                          json.loads((path / name).read_text(encoding="utf-8")))
+            except (OSError, yaml.YAMLError, json.JSONDecodeError) as error:
+                notes.append(f"{name}: could not be read ({error})")
+                loaded = None
+            config = loaded if isinstance(loaded, dict) else {}
+            break
+    evaluations = {}
+    for candidate in sorted(path.glob("eval*.json")):
+        data = _read_json(candidate, notes)
+        if "success" in data:
+            evaluations[candidate.name] = data
+    return RunFiles(path, tuple(metrics), summary, config, evaluations, tuple(notes))
+
+
+def number(value: Any) -> float | None:
+    """``value`` as a finite float, else None (booleans are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def first_key(record: Mapping[str, Any], names: Sequence[str]) -> str | None:
+    """The first of ``names`` present in ``record`` with a numeric value."""
+    for name in names:
+        if number(record.get(name)) is not None:
+            return name
+    return None
+
+
+def series(metrics: Sequence[Mapping[str, Any]], names: Sequence[str]
+           ) -> tuple[str, list[float], list[float]] | None:
+    """(key, steps, values) of the first alias in ``names`` that any record has, else None.
+
+    The step is the record's ``step`` when numeric, else its position.
+    """
+    for name in names:
+        steps: list[float] = []
+        values: list[float] = []
+        for position, record in enumerate(metrics):
+            value = number(record.get(name))
+            if value is None:
+                continue
+            step = number(record.get("step"))
+            steps.append(position if step is None else step)
+            values.append(value)
+        if values:
+            return name, steps, values
+    return None
+
+
+def total(metrics: Sequence[Mapping[str, Any]], names: Sequence[str]) -> float | None:
+    """Sum over steps of the first alias present, or None."""
+    found = series(metrics, names)
+    return None if found is None else float(sum(found[2]))

@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tracerl.eval.compare import compare_runs, format_table
+from tracerl.eval.report import write_report
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def make_run(directory: Path, *, estimator: str, critic: str, steps: int, seed: int,
+             tokens_per_attempt: int = 40) -> Path:
+    """A run directory in the trainer's layout, from a small simulated training process."""
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True)
+    (directory / "config.yaml").write_text(
+        f"algorithm:\n  estimator: {estimator}\ncritic:\n  kind: {critic}\n", encoding="utf-8")
+    p = 0.1
+    lines = []
+    for step in range(1, steps + 1):
+        p = min(0.9, p + 0.05)
+        groups = rng.random((8, 4)) < p  # 8 tasks x 4 samples
+        wins = groups.mean(axis=1)
+        record = {
+            "step": step, "reward": {"mean": float(groups.mean())},
+            "success": float(groups.mean()),
+            "success_ci95": [float(np.quantile(wins, 0.1)), float(np.quantile(wins, 0.9))],
+            "uniform_groups": {"all_zero_rate": float(np.mean(wins == 0)),
+                               "all_one_rate": float(np.mean(wins == 1))},
+            "endings": {"terminated": 28, "truncated_turns": 3, "tool_error": 1},
+            "costs": {"generated_tokens": 32 * tokens_per_attempt, "tool_seconds": 0.5},
+            "train_seconds": 1.5,
+        }
+        if critic != "none":
+            predicted = rng.random(16)
+            record["critic"] = {"explained_variance": float(0.1 * step / steps),
+                                "predicted_returns": predicted.tolist(),
+                                "completed_returns": (predicted + rng.normal(0, 0.2, 16)).tolist()}
+        lines.append(json.dumps(record))
+    (directory / "metrics.jsonl").write_text("\n".join(lines) + "\n{\"step\": 9", encoding="utf-8")
+    (directory / "summary.json").write_text(json.dumps({
+        "heldout_success_before": 0.2, "heldout_success_after": 0.45,
+        "heldout_ci95_before": [0.1, 0.3], "heldout_ci95_after": [0.3, 0.6],
+        "heldout_pass_at_k_before": {"1": 0.2, "2": 0.3, "4": 0.4},
+        "heldout_pass_at_k_after": {"1": 0.45, "2": 0.55, "4": 0.7},
+        "wall_seconds": 100.0}), encoding="utf-8")
+    return directory
+
+
+def test_report_skips_missing_plots_with_a_note_and_never_draws_them(tmp_path: Path) -> None:
+    run = tmp_path / "empty"
+    run.mkdir()
+    out, plots = write_report(run)
+    text = out.read_text(encoding="utf-8")
+    assert all(plot.png is None and plot.note.startswith("skipped") for plot in plots)
+    assert "<img" not in text and "no per-step metrics file" in text
+
+
+def test_report_notes_a_half_written_line_and_draws_every_section(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "ppo", estimator="gae", critic="value_head", steps=6, seed=0)
+    out, plots = write_report(run)
+    assert [plot.png is not None for plot in plots] == [True] * len(plots)
+    text = out.read_text(encoding="utf-8")
+    assert "skipped 1 unreadable line(s)" in text
+    assert "shaded 95% interval" in text
+
+
+def test_compare_reports_budgets_and_flags_unmatched_ones(tmp_path: Path) -> None:
+    grpo = make_run(tmp_path / "grpo", estimator="grpo", critic="none", steps=4, seed=1)
+    ppo = make_run(tmp_path / "ppo", estimator="gae", critic="value_head", steps=4, seed=2)
+    rows, warnings = compare_runs([grpo, ppo])
+    assert [r.estimator for r in rows] == ["grpo", "gae"]
+    assert rows[0].rollouts == 4 * 32 and rows[0].terminated == 4 * 28
+    assert rows[0].generated_tokens == rows[1].generated_tokens == 4 * 32 * 40
+    assert not [w for w in warnings if "matched-budget" in w]
+    table = format_table(rows)
+    assert "0.450 [0.300, 0.600]" in table and "grpo" in table
+    costly = make_run(tmp_path / "ppo8", estimator="gae", critic="value_head", steps=4, seed=2,
+                      tokens_per_attempt=80)
+    _, warnings = compare_runs([grpo, costly])
+    assert any("generated tokens differ by 100%" in w for w in warnings)
+
+
+PROBE = """<script>window.addEventListener('load', () => {
+  const out = document.createElement('pre'); out.id = 'probe';
+  out.textContent = JSON.stringify([...document.images].map(i => [i.alt, i.naturalWidth,
+    i.naturalHeight]));
+  document.body.appendChild(out); });</script>"""
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (the Makefile's "
+                    "`browser` target installs the Debian packages chromium, chromium-driver)")
+def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", estimator="gae", critic="value_head", steps=6, seed=0)
+    out, plots = write_report(run)
+    # The probe goes into a copy: the report itself has no script.
+    probed = tmp_path / "probed.html"
+    probed.write_text(out.read_text(encoding="utf-8").replace("</body>", PROBE + "</body>"),
+                      encoding="utf-8")
+    assert CHROMIUM is not None
+    result = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom",
+         probed.as_uri()],
+        capture_output=True, text=True, timeout=120, check=False)
+    match = re.search(r'<pre id="probe">(.*?)</pre>', result.stdout, re.DOTALL)
+    assert match is not None, result.stderr[-2000:]
+    images = json.loads(match.group(1).replace("&quot;", '"'))
+    assert [alt for alt, _, _ in images] == [plot.title for plot in plots]
+    assert all(width > 100 and height > 100 for _, width, height in images), images
