@@ -15,6 +15,7 @@ from collections.abc import Sequence
 # Modules that add subcommands, in the order they appear in ``tracerl --help``.
 COMMAND_MODULES: tuple[str, ...] = (
     "tracerl.core.cli",
+    "tracerl.trace.cli",
     "tracerl.envs.cli",
 )
 
