@@ -1,0 +1,540 @@
+"""One typed configuration tree for training, loaded from YAML plus ``key=value`` overrides.
+
+Every section is a frozen dataclass with a docstring per field (``describe_config`` turns them
+into help text). Loading is strict: an unknown key, or a value of the wrong type, is refused
+with the dotted name of the field and what it accepts. Cross-field rules (an estimator that
+needs a critic, group methods with groups of one, ...) are checked once by ``validate``,
+before any model is built or any attempt is sampled. Nothing mutates a config while a run is
+going; a resumed run compares its config with the one stored next to its checkpoints.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import inspect
+import itertools
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+Estimator = Literal["grpo", "rloo", "gae", "gigpo"]
+"""Advantage estimators of :mod:`tracerl.train.algorithms` (the registry's names)."""
+GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "gigpo")
+"""Estimators that compare whole attempts at the same task and need groups of >= 2."""
+CRITIC_ESTIMATORS: tuple[str, ...] = ("gae",)
+"""Estimators that need a learned critic."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy: a tiny Llama built here, or a transformers model by name or path."""
+
+    kind: Literal["tiny", "pretrained"] = "tiny"
+    """``tiny``: tokenizer trained on the task corpus and a Llama built from the sizes below;
+    ``pretrained``: ``AutoModelForCausalLM`` / ``AutoTokenizer`` from ``path``."""
+    path: str | None = None
+    """Hugging Face name or local directory (``pretrained``), or a tiny model saved earlier."""
+    vocab_size: int = 1024
+    """Tiny only: upper bound of the locally trained tokenizer's vocabulary."""
+    hidden_size: int = 128
+    """Tiny only: width of the residual stream."""
+    num_layers: int = 4
+    """Tiny only: number of transformer blocks."""
+    num_heads: int = 4
+    """Tiny only: attention heads per block."""
+    intermediate_size: int = 384
+    """Tiny only: width of the feed-forward layer."""
+    max_positions: int = 1024
+    """Tiny only: context length."""
+
+
+@dataclass(frozen=True)
+class TasksConfig:
+    """Where training and evaluation tasks come from."""
+
+    train_file: str | None = None
+    """JSON-lines task file for training; None uses the built-in suite's train split."""
+    heldout_file: str | None = None
+    """JSON-lines task file for evaluation; None uses the built-in suite's held-out split."""
+    suite_seed: int = 0
+    """Seed of the built-in suite's generator."""
+    train_count: int = 128
+    """Built-in train tasks to generate (ignored with ``train_file``)."""
+    heldout_count: int = 48
+    """Built-in held-out tasks to generate (ignored with ``heldout_file``)."""
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Supervised warm start on demonstrations (imperfect ones, for the demo)."""
+
+    enabled: bool = False
+    """Run the warm start before RL (skipped when resuming past it)."""
+    steps: int = 300
+    """Optimizer steps (a time limit, ``max_seconds``, may stop earlier)."""
+    max_seconds: float | None = None
+    """Wall-clock limit of the warm start; None: run all steps."""
+    batch_size: int = 16
+    """Demonstrations per optimizer step."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW, cosine decay to 10% after a short warm-up)."""
+    demos_per_task: int = 4
+    """Demonstrations generated per train task."""
+    wrong_edit_fraction: float = 0.4
+    """Fraction of demonstrations whose (first) edit is wrong."""
+    recovery_fraction: float = 0.15
+    """Fraction of demonstrations that run the tests after a wrong edit, see FAIL, edit again
+    and pass: the recovery behaviour then exists in the policy with small probability."""
+    check_fraction: float = 0.3
+    """Fraction of the remaining demonstrations that run the tests once before submitting."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How attempts are collected."""
+
+    tasks_per_step: int = 16
+    """Distinct tasks per training step."""
+    group_size: int = 8
+    """Attempts per task (G); group methods need >= 2."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts (and of sampled evaluation)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    max_turns: int = 8
+    """Most agent turns (tool calls) per attempt before truncation."""
+    max_new_tokens: int = 64
+    """Most tokens generated per turn."""
+    max_attempt_tokens: int | None = None
+    """Most tokens generated over a whole attempt; None: no limit beyond turns."""
+    max_seconds: float | None = None
+    """Wall-clock limit per attempt; None: none."""
+    compact_at_tokens: int | None = None
+    """Context length at which the history is compacted into a summary and the attempt goes on
+    as a new fragment; None: never compact."""
+    concurrency: int = 32
+    """Attempts in flight at once."""
+    process_reward: bool = False
+    """Give each turn that ran the visible tests a process reward (the pass rate). Off by
+    default: it rewards what the visible tests measure, a possible source of bias."""
+    process_reward_coef: float = 0.1
+    """Scale of the process reward."""
+
+
+@dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """Keeping groups informative (the mixed-group probability argument)."""
+
+    filter_uniform: bool = False
+    """Drop groups whose rewards are all equal (no relative signal) from the update."""
+    refill: bool = False
+    """After filtering, collect more groups (up to ``max_refills`` rounds) to fill the step."""
+    max_refills: int = 2
+    """Extra collection rounds per step when refilling."""
+    success_sampling: bool = False
+    """Sample tasks with weight ``p(1-p)``-like by their estimated success (an EMA), so groups
+    keep varying; tasks never tried get the prior."""
+    success_prior: float = 0.5
+    """Estimated success of a task never tried."""
+    success_ema: float = 0.5
+    """Weight of the newest step in the success estimate."""
+    min_weight: float = 0.05
+    """Floor of a task's sampling weight, so no task is starved."""
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Advantage estimation."""
+
+    estimator: Estimator = "grpo"
+    """``grpo`` (group-relative outcome), ``rloo`` (leave-one-out), ``gae`` (learned critic,
+    GAE over action tokens with bootstraps from the endings), ``gigpo`` (episode groups plus
+    step groups of identical states)."""
+    scale: Literal["std", "none"] = "std"
+    """Group methods: divide by the group's std (``std``, GRPO) or only centre (``none``,
+    Dr. GRPO)."""
+    std: Literal["population", "sample"] = "population"
+    """Group std convention: divide by G (population) or G - 1 (sample)."""
+    gamma: float = 1.0
+    """Discount over action tokens (GAE) or turns (GiGPO step returns)."""
+    gae_lambda: float = 0.95
+    """GAE trace decay λ."""
+    whiten: bool = False
+    """Whiten advantages over the batch's action tokens."""
+    step_weight: float = 1.0
+    """GiGPO: weight of the step-group advantage added to the episode advantage."""
+    step_key: Literal["context", "observation"] = "context"
+    """GiGPO: what makes two steps' states identical: the whole token context before the
+    action (``context``) or the latest observation and the turn number (``observation``)."""
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """The learned value function (GAE only)."""
+
+    kind: Literal["none", "value_head", "separate"] = "none"
+    """``value_head``: a linear head on the policy's last hidden state (shared trunk);
+    ``separate``: a copy of the policy's architecture with its own weights and a head."""
+    lr: float = 1e-3
+    """Learning rate of the critic's parameters."""
+    coef: float = 0.5
+    """Weight of the value loss in the total loss."""
+    clip: float | None = 0.2
+    """Value clipping around the old values; None: plain squared error."""
+    heldout_fraction: float = 0.25
+    """Share of completed attempts whose returns are left out of the value fit each step, for
+    the explained-variance metric on returns the critic was not fitted on."""
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    """The PPO update."""
+
+    epochs: int = 1
+    """Passes over the batch."""
+    minibatches: int = 1
+    """Optimizer steps per epoch (the batch's rows split evenly)."""
+    micro_batch_rows: int = 16
+    """Rows per forward/backward; gradients accumulate exactly (weights from the minibatch)."""
+    lr: float = 1e-3
+    """Policy learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm; None: off."""
+    loss_level: Literal["token", "sequence"] = "token"
+    """Token-level ratios (PPO/GRPO) or one sequence ratio per row (GSPO)."""
+    loss_mode: Literal["token_mean", "sequence_mean", "task_mean", "constant"] = "token_mean"
+    """Denominator of the loss, computed once per minibatch (see ``core.loss_weights``)."""
+    loss_constant: float | None = None
+    """Divisor for ``loss_mode: constant`` (Dr. GRPO)."""
+    clip_low: float = 0.2
+    """PPO clip below 1."""
+    clip_high: float | None = None
+    """PPO clip above 1 (None: same as ``clip_low``; larger is DAPO's clip-higher)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 for negative advantages; None: off."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    kl_coef: float = 0.0
+    """Weight of the KL to the reference (the SFT or initial policy); 0: no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """KL as a loss term (GRPO-style) or as a per-token reward penalty (needs ``gae``)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling: weight tokens by ``min(pi_old / pi_behavior, cap)``;
+    None: off."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation with a fixed budget."""
+
+    every: int = 0
+    """Evaluate every this many RL steps (0: only before and after training)."""
+    tasks: int | None = None
+    """Held-out tasks evaluated (None: all loaded)."""
+    samples_per_task: int = 8
+    """Sampled attempts per task at the rollout temperature (pass@k up to this k)."""
+    greedy: bool = True
+    """Also evaluate one greedy attempt per task."""
+    bootstrap_resamples: int = 2000
+    """Resamples of the task-level bootstrap for confidence intervals."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A whole run."""
+
+    run_dir: str = "runs/train"
+    """Directory of the run: checkpoints, trace store, metrics, summary."""
+    seed: int = 0
+    """Seeds every generator (model init, sampling, shuffling, task choice)."""
+    steps: int = 20
+    """RL steps (collect, verify, advantages, update)."""
+    max_seconds: float | None = None
+    """Stop RL after this many seconds (the step in progress finishes)."""
+    checkpoint_every: int = 1
+    """Checkpoint every this many steps (the last step is always saved)."""
+    threads: int | None = None
+    """torch intra-op threads; None leaves torch's default."""
+    tensorboard: bool = True
+    """Write TensorBoard event files beside the JSON-lines metrics."""
+    progress: bool = True
+    """Show a progress bar."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    tasks: TasksConfig = field(default_factory=TasksConfig)
+    """Training and evaluation tasks."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised warm start."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Collection of attempts."""
+    dynamic: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """Filtering uniform groups and choosing tasks by success."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimation."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The learned critic."""
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    """The PPO update."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation."""
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def _type_name(hint: Any) -> str:
+    origin = get_origin(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(hint))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(hint))
+    if hint is type(None):
+        return "null"
+    if is_dataclass(hint):
+        return f"a mapping ({getattr(hint, '__name__', 'section')})"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    """``value`` checked against the type ``hint``; ValueError naming ``name`` otherwise."""
+    origin = get_origin(hint)
+    if origin is Literal:
+        if value in get_args(hint) and not isinstance(value, bool):
+            return value
+        raise ValueError(f"{name}: got {value!r}, accepts {_type_name(hint)}")
+    if origin in (Union, types.UnionType):
+        for option in get_args(hint):
+            try:
+                return _coerce(value, option, name)
+            except ValueError:
+                continue
+        raise ValueError(f"{name}: got {value!r}, accepts {_type_name(hint)}")
+    if hint is type(None):
+        if value is None:
+            return None
+        raise ValueError(f"{name}: got {value!r}, accepts null")
+    if is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}: got {value!r}, accepts {_type_name(hint)}")
+        return _build(hint, value, name)  # type: ignore[arg-type]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        # An integer written in YAML (``lr: 1``) is a fine float; a bool is not.
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - every field type above is handled
+        raise ValueError(f"{name}: unsupported field type {hint!r}")
+    raise ValueError(f"{name}: got {value!r} ({type(value).__name__}), accepts {_type_name(hint)}")
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = _hints(cls)
+    known = {f.name for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if key not in known:
+            raise ValueError(
+                f"{name}: unknown key; {cls.__name__} accepts {', '.join(sorted(known))}"
+            )
+        kwargs[key] = _coerce(value, hints[key], name)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict[str, Any] | None) -> TrainConfig:
+    """A checked :class:`TrainConfig` from nested mappings (as YAML gives them)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config: the top level must be a mapping, got {type(data).__name__}")
+    config: TrainConfig = _build(TrainConfig, data, "")
+    validate(config)
+    return config
+
+
+def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"{dotted}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"update.lr=3e-4"`` → ``("update.lr", 3e-4)``; the value is parsed as YAML."""
+    if "=" not in text:
+        raise ValueError(f"override {text!r}: expected KEY=VALUE (e.g. update.lr=3e-4)")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ValueError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as error:
+        raise ValueError(f"override {key}: value {raw!r} is not valid YAML") from error
+    # YAML reads ``1e-3`` (no dot) as a string; a number was meant.
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = float(value) if any(c in value for c in ".eE") else value
+    return key, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+                ) -> TrainConfig:
+    """Read a YAML recipe (or start from the defaults) and apply ``key=value`` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        source = Path(path)
+        if not source.is_file():
+            raise ValueError(f"config: {str(source)!r} is not a file")
+        try:
+            loaded = yaml.safe_load(source.read_text(encoding="utf-8"))
+        except yaml.YAMLError as error:
+            raise ValueError(f"config: {source} is not valid YAML: {error}") from error
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"config: {source} must hold a mapping at the top level")
+        data = loaded or {}
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_path(data, key, value)
+    return config_from_dict(data)
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """Plain nested mappings (YAML- and JSON-ready)."""
+    return dataclasses.asdict(config)
+
+
+def dump_config(config: TrainConfig) -> str:
+    """The config as YAML text that :func:`load_config` reads back to an equal config."""
+    return yaml.safe_dump(config_to_dict(config), sort_keys=False)
+
+
+# -- validation -------------------------------------------------------------------------------
+
+
+def validate(config: TrainConfig) -> None:
+    """Cross-field rules, checked once before any compute; ValueError names the fields."""
+    r, a, c, u = config.rollout, config.algorithm, config.critic, config.update
+    positive_ints = {
+        "steps": config.steps, "checkpoint_every": config.checkpoint_every,
+        "rollout.tasks_per_step": r.tasks_per_step, "rollout.group_size": r.group_size,
+        "rollout.max_turns": r.max_turns, "rollout.max_new_tokens": r.max_new_tokens,
+        "rollout.concurrency": r.concurrency, "update.epochs": u.epochs,
+        "update.minibatches": u.minibatches, "update.micro_batch_rows": u.micro_batch_rows,
+        "eval.samples_per_task": config.eval.samples_per_task,
+        "sft.batch_size": config.sft.batch_size, "sft.demos_per_task": config.sft.demos_per_task,
+        "model.hidden_size": config.model.hidden_size, "model.num_layers": config.model.num_layers,
+        "model.num_heads": config.model.num_heads, "tasks.train_count": config.tasks.train_count,
+        "tasks.heldout_count": config.tasks.heldout_count,
+    }
+    for name, value in positive_ints.items():
+        if value < 1:
+            raise ValueError(f"{name}: must be >= 1, got {value}")
+    if config.sft.steps < 0:
+        raise ValueError(f"sft.steps: must be >= 0, got {config.sft.steps}")
+    fractions: dict[str, float] = {"algorithm.gamma": a.gamma, "algorithm.gae_lambda": a.gae_lambda,
+                        "sft.wrong_edit_fraction": config.sft.wrong_edit_fraction,
+                        "sft.recovery_fraction": config.sft.recovery_fraction,
+                        "sft.check_fraction": config.sft.check_fraction,
+                        "critic.heldout_fraction": c.heldout_fraction,
+                        "dynamic.success_prior": config.dynamic.success_prior,
+                        "dynamic.success_ema": config.dynamic.success_ema}
+    for name, fraction in fractions.items():
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"{name}: must be in [0, 1], got {fraction}")
+    if config.sft.recovery_fraction > config.sft.wrong_edit_fraction:
+        raise ValueError("sft.recovery_fraction: recoveries follow wrong edits, so it must be "
+                         f"<= sft.wrong_edit_fraction ({config.sft.wrong_edit_fraction})")
+    if not r.temperature > 0:
+        raise ValueError(f"rollout.temperature: must be > 0 for training rollouts "
+                         f"(greedy samples have no usable ratio), got {r.temperature}")
+    for name, rate in {"update.lr": u.lr, "sft.lr": config.sft.lr, "critic.lr": c.lr}.items():
+        if not rate > 0:
+            raise ValueError(f"{name}: must be > 0, got {rate}")
+    if a.estimator in CRITIC_ESTIMATORS and c.kind == "none":
+        raise ValueError(f"algorithm.estimator: {a.estimator!r} needs a critic; set "
+                         "critic.kind to 'value_head' or 'separate'")
+    if a.estimator in GROUP_ESTIMATORS and r.group_size < 2:
+        raise ValueError(f"rollout.group_size: {a.estimator!r} compares attempts at the same "
+                         f"task and needs groups of at least 2, got {r.group_size}")
+    if c.kind != "none" and a.estimator not in CRITIC_ESTIMATORS:
+        raise ValueError(f"critic.kind: {c.kind!r} is set but algorithm.estimator "
+                         f"{a.estimator!r} does not use a critic; set critic.kind: none")
+    if u.kl_in == "reward" and u.kl_coef > 0 and a.estimator not in CRITIC_ESTIMATORS:
+        raise ValueError("update.kl_in: a per-token KL reward needs a token-level estimator "
+                         "(gae); use kl_in: loss with group methods")
+    if u.loss_mode == "constant" and (u.loss_constant is None or u.loss_constant <= 0):
+        raise ValueError("update.loss_constant: loss_mode 'constant' needs a positive constant")
+    if u.kl_coef < 0 or u.entropy_coef < 0:
+        raise ValueError("update.kl_coef and update.entropy_coef must be >= 0")
+    if u.tis_cap is not None and not u.tis_cap >= 1:
+        raise ValueError(f"update.tis_cap: must be >= 1 or null, got {u.tis_cap}")
+    if config.model.kind == "pretrained" and not config.model.path:
+        raise ValueError("model.path: a pretrained model needs a name or directory")
+    if config.model.hidden_size % config.model.num_heads:
+        raise ValueError("model.hidden_size: must be divisible by model.num_heads")
+    if config.dynamic.refill and not config.dynamic.filter_uniform:
+        raise ValueError("dynamic.refill: refilling needs dynamic.filter_uniform: true")
+
+
+# -- help text ----------------------------------------------------------------------------------
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings of a config dataclass, read from its source."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    body = ast.parse(source).body[0]
+    assert isinstance(body, ast.ClassDef)
+    docs: dict[str, str] = {}
+    statements = body.body
+    for current, following in itertools.pairwise(statements):
+        if (isinstance(current, ast.AnnAssign) and isinstance(current.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[current.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def describe_config(config: Any = None, prefix: str = "") -> list[tuple[str, str, str]]:
+    """``(dotted name, current value, docstring)`` for every leaf field, for ``--help``."""
+    config = TrainConfig() if config is None else config
+    rows: list[tuple[str, str, str]] = []
+    docs = field_docs(type(config))
+    for f in fields(config):
+        value = getattr(config, f.name)
+        name = f"{prefix}{f.name}"
+        if is_dataclass(value):
+            rows.extend(describe_config(value, f"{name}."))
+        else:
+            rows.append((name, repr(value), docs.get(f.name, "")))
+    return rows

@@ -1,0 +1,341 @@
+"""The PPO update: old logprobs frozen once, minibatch epochs, exact micro-batching and ranks.
+
+Exactness: a minibatch's loss is ``sum(weights * token_loss)`` with ``weights`` from
+``core.loss_weights`` computed once over the *whole minibatch* (all ranks' rows). A micro-batch
+contributes ``sum(weights[rows] * token_loss[rows])``; gradients of micro-batches add up, and
+data-parallel ranks add theirs with an all-reduce SUM (not a mean), so one full batch, any
+micro-batch size and any number of ranks give the same gradient up to float summation order.
+Each micro-batch is cut to its own longest row: padding columns carry weight 0 and never
+reach the loss.
+
+Three policies stay apart: ``behavior_logprobs`` (recorded by the sampler, used only for the
+optional truncated importance weight), ``old_logprobs`` (this update's anchor, computed here
+once with the weights the update starts from and frozen), and the reference model (KL anchor).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from tracerl.core import (
+    entropy,
+    kl_loss,
+    loss_weights,
+    ppo_sequence_loss,
+    ppo_token_loss,
+    truncated_importance_weights,
+    value_loss,
+)
+from tracerl.rollout.sampling import logprobs_from_logits
+from tracerl.train.config import CriticConfig, UpdateConfig
+
+
+@dataclass(frozen=True)
+class RowBatch:
+    """Per-row tensors of the rows to train on (fragments of included attempts)."""
+
+    input_ids: torch.Tensor
+    """(B, T) int64 token ids."""
+    attention_mask: torch.Tensor
+    """(B, T) int64, 1 on real tokens."""
+    action_mask: torch.Tensor
+    """(B, T) bool, True on action tokens only."""
+    advantages: torch.Tensor
+    """(B, T) float32, zero off actions."""
+    behavior_logprobs: torch.Tensor
+    """(B, T) float32 logprobs recorded by the sampler (never the PPO anchor)."""
+    group_index: torch.Tensor
+    """(B,) int64 task group of each row (for ``task_mean``)."""
+    returns: torch.Tensor | None = None
+    """(B, T) critic targets, or None without a critic."""
+    old_logprobs: torch.Tensor | None = None
+    """(B, T) anchor logprobs, filled by :meth:`ActorCritic.freeze_old`."""
+    old_values: torch.Tensor | None = None
+    """(B, T) critic values at the start of the update (value clipping anchor)."""
+    ref_logprobs: torch.Tensor | None = None
+    """(B, T) reference-model logprobs (KL anchor), or None without KL."""
+
+    @property
+    def rows(self) -> int:
+        """Number of rows."""
+        return int(self.input_ids.shape[0])
+
+    def select(self, index: torch.Tensor) -> RowBatch:
+        """The rows ``index``, cut to their own longest row (padding never matters)."""
+        picked = {name: (None if value is None else value[index])
+                  for name, value in self._tensors().items()}
+        real = picked["attention_mask"].bool().any(0)  # type: ignore[union-attr]
+        columns = torch.nonzero(real).flatten()
+        if columns.numel():
+            lo, hi = int(columns[0]), int(columns[-1]) + 1
+            for name, value in picked.items():
+                if value is not None and value.dim() == 2:
+                    picked[name] = value[:, lo:hi]
+        return RowBatch(**picked)  # type: ignore[arg-type]
+
+    def _tensors(self) -> dict[str, torch.Tensor | None]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+class ActorCritic(torch.nn.Module):
+    """The policy plus an optional critic: a value head on its trunk, or a separate model."""
+
+    def __init__(self, policy: torch.nn.Module, critic: CriticConfig, temperature: float) -> None:
+        super().__init__()
+        self.policy = policy
+        self.temperature = temperature
+        """Logprobs in the loss are taken under ``log_softmax(logits / temperature)``, the
+        distribution the rollouts were sampled from (smooth, so it can be differentiated)."""
+        self.critic_kind = critic.kind
+        hidden = int(policy.config.hidden_size)  # type: ignore[union-attr]
+        self.critic_backbone: torch.nn.Module | None = None
+        self.value_head: torch.nn.Linear | None = None
+        if critic.kind != "none":
+            self.value_head = torch.nn.Linear(hidden, 1)
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+        if critic.kind == "separate":
+            self.critic_backbone = copy.deepcopy(policy).model  # type: ignore[union-attr]
+
+    @property
+    def has_critic(self) -> bool:
+        """Whether values are computed."""
+        return self.value_head is not None
+
+    def policy_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters of the policy (the trunk included when the critic shares it)."""
+        return list(self.policy.parameters())
+
+    def critic_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters only the critic has."""
+        params: list[torch.nn.Parameter] = []
+        if self.value_head is not None:
+            params += list(self.value_head.parameters())
+        if self.critic_backbone is not None:
+            params += list(self.critic_backbone.parameters())
+        return params
+
+    def evaluate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                 need_values: bool = False, need_entropy: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Per-position logprobs (B, T), values (B, T) and the shifted logits for entropy.
+
+        ``logprobs[b, t]`` is the log-probability of token t given tokens < t; ``values[b, t]``
+        is the critic's value of that same state (the context before token t).
+        """
+        attention = attention_mask.long()
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        shared = need_values and self.critic_kind == "value_head"
+        out = self.policy(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                          output_hidden_states=shared)
+        logits = out.logits  # (B, T, V)
+        logprobs = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:],
+                                        temperature=self.temperature, processing="temperature")
+        logprobs = torch.cat([logprobs.new_zeros(logprobs.shape[0], 1), logprobs], dim=1)
+        values = None
+        if need_values and self.value_head is not None:
+            if shared:
+                hidden = out.hidden_states[-1]
+            else:
+                assert self.critic_backbone is not None
+                hidden = self.critic_backbone(input_ids=input_ids, attention_mask=attention,
+                                              position_ids=positions).last_hidden_state
+            state_values = self.value_head(hidden).squeeze(-1)  # (B, T): value after token t
+            values = torch.cat([state_values.new_zeros(state_values.shape[0], 1),
+                                state_values[:, :-1]], dim=1)
+        shifted = None
+        if need_entropy:
+            scaled = logits[:, :-1] / self.temperature
+            shifted = torch.cat([scaled.new_zeros(scaled.shape[0], 1, scaled.shape[2]), scaled], 1)
+        return logprobs, values, shifted
+
+    @torch.no_grad()
+    def state_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B,) the critic's value of each whole sequence (the state after its last token)."""
+        if self.value_head is None:
+            raise ValueError("state_values: this model has no critic")
+        if input_ids.shape[1] == 0:
+            return torch.zeros(input_ids.shape[0])
+        attention = attention_mask.long()
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        if self.critic_backbone is not None:
+            hidden = self.critic_backbone(input_ids=input_ids, attention_mask=attention,
+                                          position_ids=positions).last_hidden_state
+        else:
+            hidden = self.policy(input_ids=input_ids, attention_mask=attention,
+                                 position_ids=positions, output_hidden_states=True
+                                 ).hidden_states[-1]
+        values = self.value_head(hidden).squeeze(-1)
+        # The last real token of each row (left or right padding).
+        index = torch.arange(attention.shape[1]).expand_as(attention)
+        last = torch.where(attention.bool(), index, torch.full_like(index, -1)).max(-1).values
+        picked = values.gather(1, last.clamp(min=0)[:, None]).squeeze(1)
+        return torch.where(last >= 0, picked, torch.zeros_like(picked))
+
+
+@torch.no_grad()
+def freeze_old(model: ActorCritic, batch: RowBatch, micro_batch_rows: int,
+               reference: ActorCritic | None = None) -> RowBatch:
+    """Fill ``old_logprobs`` (and ``old_values``, ``ref_logprobs``) once, before any step."""
+    was_training = model.training
+    model.eval()
+    old = torch.zeros(batch.input_ids.shape)
+    values = torch.zeros(batch.input_ids.shape) if model.has_critic else None
+    ref = torch.zeros(batch.input_ids.shape) if reference is not None else None
+    try:
+        for start in range(0, batch.rows, micro_batch_rows):
+            rows = torch.arange(start, min(start + micro_batch_rows, batch.rows))
+            part = batch.select(rows)
+            width = part.input_ids.shape[1]
+            lo, hi = _column_span(batch.attention_mask[rows])
+            logprobs, vals, _ = model.evaluate(part.input_ids, part.attention_mask,
+                                               need_values=model.has_critic)
+            old[rows, lo:hi] = logprobs.float()
+            if values is not None and vals is not None:
+                values[rows, lo:hi] = vals.float()
+            if ref is not None and reference is not None:
+                ref_lp, _, _ = reference.evaluate(part.input_ids, part.attention_mask)
+                ref[rows, lo:hi] = ref_lp.float()
+            assert hi - lo == width
+    finally:
+        model.train(was_training)
+    mask = batch.action_mask.float()
+    return replace(batch, old_logprobs=old * mask,
+                   old_values=None if values is None else values * mask,
+                   ref_logprobs=None if ref is None else ref * mask)
+
+
+def _column_span(attention: torch.Tensor) -> tuple[int, int]:
+    columns = torch.nonzero(attention.bool().any(0)).flatten()
+    if not columns.numel():
+        return 0, 0
+    return int(columns[0]), int(columns[-1]) + 1
+
+
+def token_loss(model: ActorCritic, part: RowBatch, config: UpdateConfig, critic: CriticConfig
+               ) -> tuple[torch.Tensor, dict[str, float]]:
+    """(B, T) per-token total loss of a micro-batch (policy, KL, entropy, value terms)."""
+    assert part.old_logprobs is not None, "freeze_old must run before the update"
+    mask = part.action_mask
+    logprobs, values, logits = model.evaluate(
+        part.input_ids, part.attention_mask, need_values=model.has_critic,
+        need_entropy=config.entropy_coef > 0)
+    metrics: dict[str, float] = {}
+    weights = None
+    if config.tis_cap is not None and bool(mask.any()):
+        weights, tis = truncated_importance_weights(
+            part.old_logprobs, part.behavior_logprobs, mask, cap=config.tis_cap)
+        metrics.update(tis)
+    if config.loss_level == "token":
+        loss, pg = ppo_token_loss(logprobs, part.old_logprobs, part.advantages, mask,
+                                  clip_low=config.clip_low, clip_high=config.clip_high,
+                                  dual_clip=config.dual_clip, importance_weights=weights)
+    else:
+        maskf = mask.float()
+        per_row = (part.advantages * maskf).sum(-1) / maskf.sum(-1).clamp(min=1)
+        loss, pg = ppo_sequence_loss(logprobs, part.old_logprobs, per_row, mask,
+                                     clip_low=config.clip_low, clip_high=config.clip_high,
+                                     dual_clip=config.dual_clip)
+    metrics.update(pg)
+    if config.kl_coef > 0 and config.kl_in == "loss":
+        assert part.ref_logprobs is not None
+        kl, kl_metrics = kl_loss(logprobs, part.ref_logprobs, mask, config.kl_estimator)
+        loss = loss + config.kl_coef * kl
+        metrics.update(kl_metrics)
+    if logits is not None:
+        ent, ent_metrics = entropy(logits, mask)
+        loss = loss - config.entropy_coef * ent
+        metrics.update(ent_metrics)
+    if values is not None:
+        assert part.returns is not None and part.old_values is not None
+        vloss, v_metrics = value_loss(values, part.old_values, part.returns, mask,
+                                      clip=critic.clip)
+        loss = loss + critic.coef * vloss
+        metrics.update(v_metrics)
+    return loss, metrics
+
+
+def minibatch_step(model: ActorCritic, optimizer: torch.optim.Optimizer, batch: RowBatch,
+                   config: UpdateConfig, critic: CriticConfig,
+                   rank_rows: torch.Tensor | None = None) -> dict[str, float]:
+    """One optimizer step on a whole minibatch ``batch`` (every rank passes the same one).
+
+    ``rank_rows``: the rows this rank computes (default: all). The loss weights come from
+    the whole minibatch; gradients are summed over micro-batches and over ranks.
+    """
+    weights = loss_weights(batch.action_mask, config.loss_mode, batch.group_index,
+                           config.loss_constant).float()
+    rows = torch.arange(batch.rows) if rank_rows is None else rank_rows
+    # Micro-batches of similar length waste less compute on padding; order changes nothing.
+    lengths = batch.attention_mask[rows].sum(-1)
+    rows = rows[torch.argsort(lengths, descending=True, stable=True)]
+    optimizer.zero_grad(set_to_none=False)
+    totals: dict[str, float] = {}
+    tokens = 0.0
+    objective = 0.0
+    for start in range(0, len(rows), config.micro_batch_rows):
+        index = rows[start:start + config.micro_batch_rows]
+        part = batch.select(index)
+        lo, hi = _column_span(batch.attention_mask[index])
+        loss, metrics = token_loss(model, part, config, critic)
+        weighted = (weights[index, lo:hi] * loss).sum()
+        weighted.backward()
+        objective += float(weighted.detach())
+        count = float(part.action_mask.sum())
+        tokens += count
+        for name, value in metrics.items():
+            totals[name] = totals.get(name, 0.0) + value * count
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed:
+        for parameter in model.parameters():
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+            dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+    grad_norm = _grad_norm(model)
+    if config.grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    optimizer.step()
+    out = {name: value / tokens for name, value in totals.items()} if tokens else {}
+    out["update/loss"] = objective
+    out["update/grad_norm"] = grad_norm
+    return out
+
+
+def _grad_norm(model: torch.nn.Module) -> float:
+    squares = [p.grad.detach().double().pow(2).sum() for p in model.parameters()
+               if p.grad is not None]
+    return math.sqrt(float(torch.stack(squares).sum())) if squares else 0.0
+
+
+def split_minibatches(batch_attempts: torch.Tensor, minibatches: int,
+                      generator: torch.Generator) -> list[torch.Tensor]:
+    """Row indices of each minibatch: attempts shuffled, all rows of an attempt together."""
+    attempts = torch.unique(batch_attempts)
+    order = attempts[torch.randperm(len(attempts), generator=generator)]
+    chunks = [c for c in torch.tensor_split(order, minibatches) if c.numel()]
+    return [torch.nonzero(torch.isin(batch_attempts, chunk)).flatten() for chunk in chunks]
+
+
+def ppo_update(model: ActorCritic, optimizer: torch.optim.Optimizer, batch: RowBatch,
+               attempt_index: torch.Tensor, config: UpdateConfig, critic: CriticConfig,
+               generator: torch.Generator, rank: int = 0, world_size: int = 1
+               ) -> dict[str, float]:
+    """``epochs`` passes of ``minibatches`` optimizer steps over ``batch`` (old logprobs
+    already frozen). Each rank computes every ``world_size``-th row of each minibatch."""
+    model.train()
+    sums: dict[str, float] = {}
+    steps = 0
+    for _ in range(config.epochs):
+        for rows in split_minibatches(attempt_index, config.minibatches, generator):
+            mini = batch.select(rows)
+            mine = torch.arange(rank, mini.rows, world_size)
+            metrics = minibatch_step(model, optimizer, mini, config, critic, mine)
+            for name, value in metrics.items():
+                sums[name] = sums.get(name, 0.0) + value
+            steps += 1
+    return {name: value / steps for name, value in sums.items()} | {"update/steps": float(steps)}
