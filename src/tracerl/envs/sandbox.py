@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -53,6 +54,9 @@ WORKSPACE_MOUNT = "/workspace"
 
 _SANDBOX_UID_BASE = 200_000
 """First host uid handed to sandboxed commands when tracerl runs as root."""
+
+_PLAIN_COMMAND = re.compile(r"[A-Za-z0-9_./:,+@-]+( [A-Za-z0-9_./:,+@-]+)*")
+"""Commands that mean the same with or without a shell (no quotes, globs, variables, ...)."""
 
 _uid_counter = itertools.count()
 _uid_lock = threading.Lock()
@@ -311,7 +315,12 @@ class Sandbox:
         workspace = Path(workspace).resolve()
         if not workspace.is_dir():
             raise ValueError(f"workspace must be an existing directory, got {workspace}")
-        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+        if isinstance(command, str):
+            # A plain command (``python test_x.py``) is run without a shell: one process less.
+            simple = _PLAIN_COMMAND.fullmatch(command) is not None
+            argv = command.split() if simple else ["/bin/sh", "-c", command]
+        else:
+            argv = list(command)
         if not argv:
             raise ValueError("command must not be empty")
         full_env = self._env(env)
