@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tracerl-installed
 
-.PHONY: test test-slow lint demo bench clean
+.PHONY: test test-slow lint browser demo bench bench-env bench-gae clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,11 @@ lint: $(STAMP)
 	$(PY) -m ruff check src tests bench
 	$(PY) -m mypy
 
-test: $(STAMP) lint
+# The report test opens an HTML report in headless Chromium (Debian packages).
+browser:
+	@if [ ! -x /usr/bin/chromium ]; then apt-get update && apt-get install -y chromium chromium-driver; fi
+
+test: $(STAMP) lint browser
 	$(PY) -m pytest
 
 test-slow: $(STAMP)
@@ -30,5 +34,26 @@ demo: $(STAMP)
 bench: $(STAMP)
 	for f in bench/*.py; do $(PY) $$f || exit 1; done
 
+# A separate environment for comparisons against verl, whose install pins would clash with
+# ours; tracerl itself goes in without dependencies so the same torch is measured.
+BENCH_VENV := .bench-venv
+BENCH_PY := $(BENCH_VENV)/bin/python
+BENCH_STAMP := $(BENCH_VENV)/.installed
+
+$(BENCH_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_PY) -m pip install -q --upgrade pip
+	$(BENCH_PY) -m pip install -q torch==2.13.0
+	$(BENCH_PY) -m pip install -q --no-deps verl==0.9.1
+	$(BENCH_PY) -m pip install -q numpy packaging ray 'tensordict>=0.8.0,<=0.10.0,!=0.9.0' \
+		omegaconf 'transformers>=5.5.3,<5.11,!=5.6.0' codetiming
+	$(BENCH_PY) -m pip install -q --no-deps -e .
+	touch $(BENCH_STAMP)
+
+bench-env: $(BENCH_STAMP)
+
+bench-gae: $(BENCH_STAMP)
+	$(BENCH_PY) bench/gae.py
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(BENCH_VENV) runs .pytest_cache .mypy_cache .ruff_cache

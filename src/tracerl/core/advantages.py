@@ -277,9 +277,11 @@ def batch_gae(
             decay,
             [torch.zeros_like(boot), boot],
         )
-        # carried at t + 1: shift left by one, the bootstrap entering at the row's end
-        following = torch.cat([carried[:, 1:], boot[:, None]], dim=1)
-        returns = reward_to_go.add_(following, alpha=gamma).mul_(maskf)
+        # returns_t = R_t + gamma * Y_{t+1}: add Y shifted left by one in place (no copy),
+        # the bootstrap entering at the row's end.
+        reward_to_go[:, :-1].add_(carried[:, 1:], alpha=gamma)
+        reward_to_go[:, -1].add_(boot, alpha=gamma)
+        returns = reward_to_go.mul_(maskf)
     advantages = returns - values_on_actions
     return restore(advantages, kind), restore(returns, kind)
 

@@ -1,0 +1,144 @@
+"""Throughput of ``tracerl.batch_gae`` against what a user would otherwise run.
+
+Compared in one run, on float32 [B, T] batches with agent-like action masks (a prompt, then
+alternating action and tool-output spans, then padding):
+
+* the plain per-step loop (``batch_gae_reference``, the usual ``for t in reversed(range(T))``),
+* verl's ``compute_gae_advantage_return`` when verl is importable (``make bench-gae`` runs this
+  script in a separate environment that has it); verl whitens its advantages, so its
+  ``returns - values`` is what is compared,
+* the memory-bound floor: the bytes batch_gae must read and write divided by a copy bandwidth
+  measured here.
+
+Usage: ``python bench/gae.py [--threads 2] [--repeats 7] [--gamma 0.99 --trace-decay 0.95]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from tracerl import batch_gae, batch_gae_reference
+
+SHAPES = ((256, 4096), (64, 16384))
+
+
+def agent_like_mask(rows: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """Prompt, then alternating action / observation spans of random length, then padding."""
+    mask = torch.zeros(rows, length, dtype=torch.bool)
+    for b in range(rows):
+        position = int(torch.randint(16, 256, (1,), generator=generator))
+        end = length - int(torch.randint(0, length // 8, (1,), generator=generator))
+        acting = True
+        while position < end:
+            span = int(torch.randint(8, 200, (1,), generator=generator))
+            if acting:
+                mask[b, position : min(position + span, end)] = True
+            position += span
+            acting = not acting
+    return mask
+
+
+def make_batch(rows: int, length: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(rows * length)
+    mask = agent_like_mask(rows, length, generator)
+    rewards = torch.randn(rows, length, generator=generator) * 0.1 * mask
+    values = torch.randn(rows, length, generator=generator)
+    return {"rewards": rewards, "values": values, "mask": mask, "bootstrap": torch.zeros(rows)}
+
+
+def timed(function: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``repeats`` calls after one warm-up call."""
+    function()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(repeats: int) -> float:
+    """Bytes moved per second (read + write) by a large tensor copy."""
+    source = torch.randn(64 * 1024 * 1024 // 4)
+    target = torch.empty_like(source)
+    seconds = timed(lambda: target.copy_(source), repeats)
+    return 2 * source.numel() * source.element_size() / seconds
+
+
+def load_verl() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    try:
+        from verl.trainer.ppo.core_algos import compute_gae_advantage_return
+    except Exception:  # verl absent or its import chain broken: report and go on without it
+        return None
+    return compute_gae_advantage_return  # type: ignore[no-any-return]
+
+
+def measure_shape(
+    rows: int,
+    length: int,
+    args: argparse.Namespace,
+    bandwidth: float,
+    verl_gae: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None,
+) -> None:
+    """Time one shape and print its lines."""
+    batch = make_batch(rows, length)
+    tokens = rows * length
+    r, v, m, boot = batch["rewards"], batch["values"], batch["mask"], batch["bootstrap"]
+    gamma, trace_decay = args.gamma, args.trace_decay
+    ours = timed(lambda: batch_gae(r, v, m, boot, gamma, trace_decay), args.repeats)
+    loop = timed(lambda: batch_gae_reference(r, v, m, boot, gamma, trace_decay), args.loop_repeats)
+    # Reads rewards, values (4 B each) and the mask (1 B); writes advantages and returns.
+    floor = (4 + 4 + 1 + 4 + 4) * tokens / bandwidth
+    print(f"\n[{rows}, {length}]  ({m.float().mean():.0%} action tokens)")
+    print(f"  batch_gae        {tokens / ours / 1e6:8.1f} M tokens/s  ({ours * 1e3:7.2f} ms)")
+    print(
+        f"  per-step loop    {tokens / loop / 1e6:8.1f} M tokens/s  "
+        f"-> batch_gae is {loop / ours:6.1f}x faster"
+    )
+    print(
+        f"  memory floor     {tokens / floor / 1e6:8.1f} M tokens/s  "
+        f"-> batch_gae takes {ours / floor:6.1f}x the floor"
+    )
+    if verl_gae is None:
+        return
+    maskf = m.float()
+    verl_time = timed(lambda: verl_gae(r, v, maskf, gamma, trace_decay), args.loop_repeats)
+    _, verl_returns = verl_gae(r, v, maskf, gamma, trace_decay)
+    advantages, _ = batch_gae(r, v, m, boot, gamma, trace_decay)
+    difference = float(((verl_returns - v) * maskf - advantages).abs().max())
+    print(
+        f"  verl             {tokens / verl_time / 1e6:8.1f} M tokens/s  "
+        f"-> batch_gae is {verl_time / ours:6.1f}x faster  "
+        f"(max |diff| of returns - values: {difference:.1e})"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--repeats", type=int, default=7, help="timed calls per measurement")
+    parser.add_argument("--loop-repeats", type=int, default=1, help="timed calls of the loop")
+    parser.add_argument("--gamma", type=float, default=0.99)
+    parser.add_argument("--trace-decay", type=float, default=0.95)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    bandwidth = copy_bandwidth(args.repeats)
+    verl_gae = load_verl()
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, "
+        f"gamma={args.gamma} trace_decay={args.trace_decay}"
+    )
+    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
+    if verl_gae is None:
+        print("verl: not importable here (run `make bench-gae` for the comparison)")
+    for rows, length in SHAPES:
+        measure_shape(rows, length, args, bandwidth, verl_gae)
+
+
+if __name__ == "__main__":
+    main()
