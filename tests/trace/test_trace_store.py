@@ -44,6 +44,8 @@ def test_round_trip_through_log_and_segments(tmp_path: Path) -> None:
         assert len(list((tmp_path / SEGMENTS_DIR).glob("*.parquet"))) == 2
         # Two segments sealed, two attempts still only in the log: both are read.
         assert read_attempts(tmp_path) == attempts
+        table = read_table(tmp_path)
+        assert table.column("attempt_id").to_pylist() == [a.attempt_id for a in attempts]
     assert len(list((tmp_path / SEGMENTS_DIR).glob("*.parquet"))) == 3
     assert not list(tmp_path.glob("log-*.trl"))
     assert read_attempts(tmp_path) == attempts

@@ -99,7 +99,7 @@ class PackReport:
     dropped_attempts: int = 0
     """Attempts dropped with those groups."""
     rows_without_actions: int = 0
-    """Rows kept that have no action position (they carry no loss)."""
+    """Fragments with no action position (left out unless ``keep_rows_without_actions``)."""
 
 
 @dataclass(frozen=True)
@@ -169,12 +169,16 @@ def pack(
     pad_token_id: int = 0,
     max_length: int | None = None,
     min_group_size: int | None = None,
+    keep_rows_without_actions: bool = False,
 ) -> PackedBatch:
     """Pack attempts into a :class:`PackedBatch` (see the module docstring for the rules).
 
     ``treatments`` defaults to :func:`default_treatments(has_critic)`; ``bootstrap`` is refused
     without a critic. ``min_group_size`` defaults to 2 without a critic and 1 with one. A row
-    longer than ``max_length`` raises ValueError: rows are never cut silently.
+    longer than ``max_length`` raises ValueError: rows are never cut silently. A fragment with
+    no action token (e.g. a tool failed right after compaction) carries no loss, and per-row
+    means are undefined on it, so its row is left out and counted unless
+    ``keep_rows_without_actions``; :func:`unpack` then returns the attempt without it.
     """
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side: must be 'left' or 'right', got {padding_side!r}")
@@ -220,6 +224,9 @@ def pack(
                 attempt.fragments[f_index + 1] if f_index + 1 < len(attempt.fragments) else None
             )
             rows.append(_build_row(attempt, a_index, fragment, following, scored))
+    empty = sum(1 for r in rows if not r.action.any())
+    if not keep_rows_without_actions:
+        rows = [r for r in rows if r.action.any()]
     report = PackReport(
         rows=len(rows),
         attempts=len(kept),
@@ -227,7 +234,7 @@ def pack(
         retry=dict(retry),
         dropped_groups=tuple(sorted(small)),
         dropped_attempts=dropped,
-        rows_without_actions=sum(1 for r in rows if not r.action.any()),
+        rows_without_actions=empty,
     )
     return _to_batch(kept, rows, table, padding_side, pad_token_id, max_length, report)
 

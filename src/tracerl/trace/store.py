@@ -499,8 +499,34 @@ def read_attempts(directory: str | os.PathLike[str]) -> list[Attempt]:
 
 
 def read_table(directory: str | os.PathLike[str]) -> pa.Table:
-    """The whole store as one Arrow table (sealed segments plus unsealed log records)."""
-    return records_to_table(scan_store(directory).records)
+    """The whole store as one Arrow table (sealed segments plus unsealed log records).
+
+    Sealed segments are read column-wise as they are; only unsealed log records are converted.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        raise ValueError(f"directory: {root} does not exist")
+    segments = _numbered(root / SEGMENTS_DIR, _SEGMENT)
+    tables = []
+    for path in segments.values():
+        try:
+            tables.append(pq.read_table(path))
+        except (OSError, pa.ArrowException) as error:
+            raise ValueError(f"{path}: not a readable Parquet segment: {error}") from error
+    sealed = {i for t in tables for i in t.column("attempt_id").to_pylist()}
+    pending: list[_Record] = []
+    damage: list[Damage] = []
+    for n, path in _numbered(root, _LOG).items():
+        if n in segments:
+            continue
+        found, bad, _ = scan_log(path)
+        pending.extend(r for r in found if r.header["id"] not in sealed)
+        damage.extend(bad)
+    _warn(damage)
+    if pending or not tables:
+        tables.append(records_to_table(pending).cast(tables[0].schema) if tables
+                      else records_to_table(pending))
+    return pa.concat_tables(tables)
 
 
 def read_attempt(directory: str | os.PathLike[str], attempt_id: str) -> Attempt:
