@@ -17,6 +17,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tracerl.core.cli",
     "tracerl.trace.cli",
     "tracerl.envs.cli",
+    "tracerl.eval.cli",
 )
 
 
