@@ -18,6 +18,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tracerl.trace.cli",
     "tracerl.envs.cli",
     "tracerl.eval.cli",
+    "tracerl.rollout.cli",
 )
 
 
