@@ -1,0 +1,280 @@
+"""``tracerl eval``: a fixed-budget evaluation of a policy on a task set.
+
+Every task gets the same budget: ``samples`` attempts, each with the same turn and token
+limits and the same sampling settings, all recorded with the result. Attempts run through the
+same collector and environment as training, and are scored by the hidden tests in a fresh
+sandbox (see :mod:`tracerl.eval.summary` for what counts as a success). With
+``inject_faults`` the same evaluation runs a second time with tools that fail on purpose, and
+both results are reported, so that recovery from tool failure is measured rather than assumed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tracerl.envs.coding import CodingEnv
+from tracerl.envs.faults import FaultConfig
+from tracerl.envs.sandbox import Sandbox
+from tracerl.envs.tasks import Task
+from tracerl.eval.judge import Judge, JudgeConfig, independence_warning
+from tracerl.eval.summary import summarize
+from tracerl.rollout.collector import Collector, CollectorConfig
+from tracerl.rollout.sampling import SamplingParams
+from tracerl.trace.schema import Attempt, Role
+from tracerl.trace.store import TraceStore
+
+TRAINING_COST_FILES = ("training_cost.json", "trainer_state.json", "checkpoint.json")
+"""Files in a checkpoint directory that may say what training it cost."""
+TRAINING_COST_KEYS = ("step", "steps", "generated_tokens", "tool_seconds", "train_seconds",
+                      "wall_seconds", "rollouts", "attempts")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """The fixed budget and sampling of an evaluation; recorded in its output."""
+
+    samples: int
+    """Attempts per task (the K of pass@k)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 is greedy (then every sample of a task is the same)."""
+    top_p: float = 1.0
+    """Nucleus mass kept (1 = off)."""
+    top_k: int = 0
+    """Most likely tokens kept (0 = off)."""
+    max_new_tokens_per_turn: int = 128
+    """Tokens sampled per action at most."""
+    max_new_tokens: int | None = 1024
+    """Tokens sampled per attempt at most (a task's own budget takes precedence)."""
+    max_turns: int = 8
+    """Actions per attempt at most (a task's own budget takes precedence)."""
+    max_seconds: float | None = None
+    """Wall-clock seconds per attempt at most (None: none)."""
+    seed: int = 0
+    """Seed of sampling (per attempt), fault injection and the bootstrap."""
+    inject_faults: float = 0.0
+    """Probability per tool call of an injected tool crash, and per test run of a sandbox
+    start failure; > 0 adds a second, faulted run."""
+    bootstrap_resamples: int = 2000
+    """Resamples of the task-level bootstrap."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
+            raise ValueError(f"samples: must be an integer >= 1, got {self.samples!r}")
+        if not 0.0 <= self.inject_faults <= 1.0:
+            raise ValueError(f"inject_faults: must be a probability in [0, 1], "
+                             f"got {self.inject_faults!r}")
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns: must be >= 1, got {self.max_turns}")
+        self.sampling()  # validates temperature, top_p, top_k, max_new_tokens_per_turn
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=self.max_new_tokens_per_turn, seed=self.seed)
+
+
+def load_policy(path: str | Path) -> Any:
+    """Load a checkpoint directory as an ``HFPolicy``; ValueError says why it cannot."""
+    from tracerl.rollout.policy_hf import HFPolicy
+
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError(f"--policy {str(directory)!r}: not a directory")
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"--policy {str(directory)!r}: holds no model (config.json is missing; "
+                         "a checkpoint is written by save_pretrained)")
+    try:
+        from tracerl.models.tiny import load_tiny
+
+        model, tokenizer = load_tiny(directory)
+    except Exception as error:  # transformers raises many kinds; say which and why
+        raise ValueError(f"--policy {str(directory)!r}: could not be loaded: "
+                         f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+                         ) from None
+    return HFPolicy(model, tokenizer)
+
+
+def training_cost(policy_dir: str | Path) -> dict[str, Any] | None:
+    """What training the checkpoint cost, when its directory or run recorded it, else None."""
+    directory = Path(policy_dir).resolve()
+    for name in TRAINING_COST_FILES:
+        path = directory / name
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                continue
+            found = {k: data[k] for k in TRAINING_COST_KEYS if isinstance(data, dict) and k in data}
+            if found:
+                return {"source": name, **found}
+    for parent in (directory.parent, directory.parent.parent):
+        summary = parent / "summary.json"
+        if not summary.is_file():
+            continue
+        try:
+            data = json.loads(summary.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            continue
+        recorded = data.get("policy_dir") if isinstance(data, dict) else None
+        # The run's summary names its final checkpoint, relative to where the run was started
+        # or to the run directory.
+        if isinstance(recorded, str) and directory in (Path(recorded).resolve(),
+                                                       (parent / recorded).resolve()):
+            found = {k: data[k] for k in TRAINING_COST_KEYS if k in data}
+            if found:
+                return {"source": "summary.json of the run", **found}
+    return None
+
+
+def _make_env_factory(tasks: Sequence[Task], sandbox: Sandbox, settings: EvalSettings,
+                      faults: FaultConfig | None) -> Any:
+    counter = itertools.count()
+
+    def make_env() -> CodingEnv:
+        # Each environment draws faults from its own stream, so attempts do not share one.
+        config = None if faults is None else FaultConfig(
+            tool_crash=faults.tool_crash, sandbox_start_failure=faults.sandbox_start_failure,
+            slow_tool=faults.slow_tool, slow_seconds=faults.slow_seconds,
+            seed=(settings.seed * 1_000_003 + next(counter)))
+        return CodingEnv(tasks, sandbox=sandbox, max_turns=settings.max_turns,
+                         max_seconds=settings.max_seconds, faults=config)
+    return make_env
+
+
+def collect_attempts(policy: Any, tasks: Sequence[Task], settings: EvalSettings, *,
+                     sandbox: Sandbox, faults: FaultConfig | None = None,
+                     store_dir: str | Path | None = None, run_id: str = "eval",
+                     progress: bool = False) -> tuple[list[Attempt], float]:
+    """Run ``settings.samples`` attempts per task; returns them and the wall seconds."""
+    config = CollectorConfig(
+        sampling=settings.sampling(), max_turns=settings.max_turns,
+        max_new_tokens=settings.max_new_tokens, max_seconds=settings.max_seconds,
+        seed=settings.seed, progress=progress, verify_truncated=True)
+    store = TraceStore(store_dir) if store_dir is not None else None
+    started = time.perf_counter()
+    try:
+        collector = Collector(policy, _make_env_factory(tasks, sandbox, settings, faults),
+                              store, config)
+        result = collector.collect(list(tasks), settings.samples, run_id=run_id)
+    finally:
+        if store is not None:
+            store.close()
+    if result.not_started:
+        raise RuntimeError(f"evaluation was cancelled: {result.not_started} attempt(s) never "
+                           "started; the budget was not spent, so no result is reported")
+    return list(result.attempts), time.perf_counter() - started
+
+
+def transcript(policy: Any, attempt: Attempt) -> str:
+    """The attempt's actions and observations as text (for a judge)."""
+    parts = []
+    for fragment in attempt.fragments:
+        for turn in fragment.turns:
+            for segment in turn.segments:
+                if segment.role is Role.PROMPT:
+                    continue
+                label = "AGENT" if segment.role is Role.ACTION else segment.role.value.upper()
+                parts.append(f"[{label}] {policy.decode(segment.token_ids.tolist())}")
+    return "\n".join(parts)
+
+
+def evaluate(policy: Any, tasks: Sequence[Task], settings: EvalSettings, *, sandbox: Sandbox,
+             faults: FaultConfig | None = None, store_dir: str | Path | None = None,
+             judge: JudgeConfig | None = None, training_judge: Mapping[str, Any] | None = None,
+             progress: bool = False, run_id: str = "eval") -> dict[str, Any]:
+    """One fixed-budget run: the summary of :func:`summarize` plus settings and costs."""
+    if not tasks:
+        raise ValueError("tasks: nothing to evaluate")
+    attempts, wall = collect_attempts(policy, tasks, settings, sandbox=sandbox, faults=faults,
+                                      store_dir=store_dir, run_id=run_id, progress=progress)
+    result = summarize(attempts, {t.id: t.family for t in tasks}, max_k=settings.samples,
+                       seed=settings.seed, resamples=settings.bootstrap_resamples)
+    result["wall_seconds"] = wall
+    result["settings"] = asdict(settings)
+    result["faults"] = None if faults is None else asdict(faults)
+    if judge is not None:
+        by_id = {t.id: t for t in tasks}
+        client = Judge(judge)
+        scores = [client.score(by_id[a.task_id].instruction, transcript(policy, a)).score
+                  for a in attempts]
+        result["judge"] = judge.to_dict()
+        result["judge_score"] = sum(scores) / len(scores)
+        result["judge_warning"] = independence_warning(training_judge, judge)
+    return result
+
+
+def run_evaluation(policy: Any, tasks: Sequence[Task], settings: EvalSettings, *,
+                   sandbox: Sandbox, policy_dir: str | Path | None = None,
+                   store_dir: str | Path | None = None, judge: JudgeConfig | None = None,
+                   training_judge: Mapping[str, Any] | None = None,
+                   progress: bool = False) -> dict[str, Any]:
+    """The clean evaluation, plus a fault-injected re-run when ``settings.inject_faults > 0``.
+
+    The top level is the clean run; ``fault_injection`` holds the faulted run and the change
+    in success between them.
+    """
+    clean_store = None if store_dir is None else Path(store_dir) / "clean"
+    result = evaluate(policy, tasks, settings, sandbox=sandbox, store_dir=clean_store,
+                      judge=judge, training_judge=training_judge, progress=progress,
+                      run_id="eval")
+    result["policy_dir"] = None if policy_dir is None else str(policy_dir)
+    result["training_cost"] = None if policy_dir is None else training_cost(policy_dir)
+    if settings.inject_faults > 0:
+        rate = settings.inject_faults
+        faults = FaultConfig(tool_crash=rate, sandbox_start_failure=rate, seed=settings.seed)
+        faulted = evaluate(policy, tasks, settings, sandbox=sandbox, faults=faults,
+                           store_dir=None if store_dir is None else Path(store_dir) / "faults",
+                           progress=progress, run_id="eval-faults")
+        result["fault_injection"] = {
+            "rate": rate, "success_without_faults": result["success"],
+            "success_with_faults": faulted["success"],
+            "success_change": faulted["success"] - result["success"],
+            "result": faulted,
+        }
+    return result
+
+
+def format_result(result: Mapping[str, Any]) -> str:
+    """A readable terminal table of an evaluation result."""
+    settings = result.get("settings", {})
+    low, high = result["ci95"]
+    lines = [
+        f"tasks {result['tasks']}  attempts {result['attempts']}  samples/task "
+        f"{settings.get('samples')}  temperature {settings.get('temperature')}",
+        f"success (hidden tests, audited)  {result['success']:.3f}  95% CI [{low:.3f}, {high:.3f}]"
+        "  (bootstrap over tasks)",
+    ]
+    visible = result.get("visible_success")
+    lines.append(f"visible-test success             "
+                 f"{'-' if visible is None else f'{visible:.3f}'}  passed visible but not hidden:"
+                 f" {result.get('visible_not_hidden', 0)}")
+    lines.append("pass@k  " + "  ".join(f"{k}:{v:.3f}" for k, v in result["pass_at_k"].items()))
+    lines.append("")
+    lines.append(f"{'family':<24}{'tasks':>6}{'attempts':>10}{'success':>9}   95% CI")
+    for name, block in result["by_family"].items():
+        lo, hi = block["ci95"]
+        lines.append(f"{name:<24}{block['tasks']:>6}{block['attempts']:>10}"
+                     f"{block['success']:>9.3f}   [{lo:.3f}, {hi:.3f}]")
+    lines.append("")
+    lines.append("endings  " + "  ".join(f"{k}:{v}" for k, v in result["by_ending"].items() if v))
+    flags = result["hack_flags"]
+    lines.append(f"hack flags {flags['count']}  " + "  ".join(
+        f"{k}:{v}" for k, v in flags["by_kind"].items() if v))
+    lines.append(f"costs  generated tokens {result['generated_tokens']}  tool seconds "
+                 f"{result['tool_seconds']:.1f}  wall seconds {result['wall_seconds']:.1f}")
+    cost = result.get("training_cost")
+    lines.append("training cost  " + ("unknown (not recorded with the checkpoint)" if not cost
+                                      else ", ".join(f"{k} {v}" for k, v in cost.items())))
+    faults = result.get("fault_injection")
+    if faults:
+        lines.append(f"fault injection at rate {faults['rate']}: success "
+                     f"{faults['success_without_faults']:.3f} -> "
+                     f"{faults['success_with_faults']:.3f} with faults")
+    if result.get("judge_warning"):
+        lines.append(f"WARNING: {result['judge_warning']}")
+    return "\n".join(lines)
