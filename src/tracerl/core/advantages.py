@@ -120,6 +120,20 @@ def batch_gae_reference(
     r, v, mask, boot, gamma, trace_decay = _batch_inputs(
         rewards, values, action_mask, bootstrap_values, gamma, trace_decay
     )
+    if not torch.equal(r * mask, r):
+        raise ValueError("rewards has nonzero entries on positions where action_mask is 0")
+    advantages, returns = _loop(r, v, mask, boot, gamma, trace_decay)
+    return restore(advantages, kind), restore(returns, kind)
+
+
+def _loop(
+    r: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    boot: torch.Tensor,
+    gamma: float,
+    trace_decay: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     advantages = torch.zeros_like(r)
     next_value = boot.clone()
     carry = torch.zeros_like(boot)
@@ -130,74 +144,74 @@ def batch_gae_reference(
         carry = torch.where(m, candidate, carry)
         next_value = torch.where(m, v[:, t], next_value)
         advantages[:, t] = torch.where(m, candidate, torch.zeros_like(candidate))
-    returns = (advantages + v) * mask
-    return restore(advantages, kind), restore(returns, kind)
+    return advantages, (advantages + v) * mask
+
+
+def _orders(dtype: torch.dtype) -> float:
+    """Decimal orders of magnitude the chunk rescaling may span in ``dtype``.
+
+    Half of the range below 1 (about 19 for float32, 154 for float64), leaving the other half
+    for the magnitudes of the values being rescaled.
+    """
+    return -math.log10(torch.finfo(dtype).tiny) / 2
+
+
+def _min_scaled_decay(dtype: torch.dtype) -> float:
+    """Smallest decay whose single step stays inside the rescaling's range."""
+    return float(10.0 ** -_orders(dtype))
 
 
 def _chunk_length(decay: float, length: int, dtype: torch.dtype) -> int:
     """Longest power-of-two chunk whose within-chunk decay product stays far above underflow.
 
-    The fast path rescales each chunk by cumulative decay products; keeping them >= 1e-20
-    (float32) or 1e-250 (float64) leaves the rescaled terms normal floats, so the rescaling
-    costs no precision.
+    The fast path rescales each chunk by cumulative decay products; keeping them above the
+    square root of the smallest normal float (about 1e-19 in float32) leaves the rescaled terms
+    normal floats, so the rescaling costs no precision.
     """
     if decay >= 1.0:
         return length
-    orders = 20.0 if dtype in (torch.float32, torch.float16, torch.bfloat16) else 250.0
-    max_len = max(1, int(orders / -math.log10(decay)))
+    max_len = max(1, int(_orders(dtype) / -math.log10(decay)))
     chunk = 1 << int(math.log2(max_len))
     return min(chunk, length)
 
 
-def _passthrough_recurrence(
-    inputs: list[torch.Tensor], maskf: torch.Tensor, decay: float, boundary: list[torch.Tensor]
-) -> list[torch.Tensor]:
-    """Solve ``Y_t = u_t + g_t Y_{t+1}`` with ``Y_T = boundary`` for every row at once.
+def _scan_in_place(
+    values: torch.Tensor, scale: torch.Tensor | None, boundary: torch.Tensor, chunk: int
+) -> None:
+    """Overwrite ``values`` (u) with Y, where ``Y_j = u_j + g_j * Y_{j-1}`` and ``Y_{-1} = boundary``.
 
-    ``g_t`` is ``decay`` at action positions and 1 elsewhere, so non-action positions pass the
-    value through unchanged. Each of ``inputs`` is [B, T] (right-hand sides sharing the mask),
-    ``maskf`` is [B, T] of 0/1 and each boundary is [B]. Requires ``0 < decay``.
-
-    Within chunks of C steps, with P_t the product of g over the chunk before t,
-    ``Y_t = (1 / P_t) * sum_{s >= t} P_s u_s``: a reversed cumulative sum. The value carried
-    in from the next chunk enters as one extra term at the chunk's last step, so a single
-    cumsum gives the final answer; the carries themselves take a short loop over the T / C
-    chunk totals. Ops avoid broadcasting, which is several times slower than same-shape
-    elementwise work on CPU.
+    Runs forward along the last axis of [B, T] (callers pass time reversed). ``scale`` holds
+    the inclusive product Q of g within each chunk of ``chunk`` steps (None when every g is
+    1). Within a chunk ``Y_j = Q_j * (carry + sum_{i <= j} u_i / Q_i)``: one cumulative sum of
+    growing terms, so no large partial sum is ever cancelled. Chunk lengths keep Q far above
+    underflow. The carry into each chunk takes a short loop over T / chunk chunk totals.
     """
-    b, t = maskf.shape
-    if decay == 1.0:
-        # No decay: a plain reversed cumulative sum, exact and chunk-free.
-        return [
-            u.flip(-1).cumsum(-1).flip(-1).add_(edge[:, None])
-            for u, edge in zip(inputs, boundary, strict=True)
-        ]
-    chunk = _chunk_length(decay, t, maskf.dtype)
-    pad = (-t) % chunk
-    if pad:
-        inputs = [torch.nn.functional.pad(u, (0, pad)) for u in inputs]
-        maskf = torch.nn.functional.pad(maskf, (0, pad))
-    n = (t + pad) // chunk
-    # g = decay on actions, 1 elsewhere; written as a sum with one zero term so that a tiny
-    # decay is not rounded away the way 1 + (decay - 1) would round it.
-    g = (1.0 - maskf).add_(maskf, alpha=decay).view(b * n, chunk)  # (B*nC, C)
-    p_incl = torch.cumprod(g, dim=-1)
-    p_excl = p_incl.div_(g)
-    chunk_decay = (p_excl[:, -1] * g[:, -1]).view(b, n)  # decay across a whole chunk
-    results = []
-    for u, edge in zip(inputs, boundary, strict=True):
-        weighted = u.reshape(b * n, chunk).mul(p_excl)  # (B*nC, C)
-        totals = weighted.sum(-1).view(b, n)  # each chunk's own solution at its first step
-        carry = torch.empty_like(totals)
-        running = edge
-        for index in range(n - 1, -1, -1):
-            carry[:, index] = running
-            running = totals[:, index] + chunk_decay[:, index] * running
-        # The carry decays by P_end / P_t to step t: fold P_end * carry into the last term.
-        weighted.view(b, n, chunk)[..., -1].add_(chunk_decay * carry)
-        suffix = weighted.flip(-1).cumsum(-1).flip(-1)
-        results.append(suffix.div_(p_excl).view(b, n * chunk)[:, :t])
-    return results
+    b, t = values.shape
+    if scale is None:
+        values[:, 0].add_(boundary)
+        values.cumsum_(-1)
+        return
+    whole, tail = divmod(t, chunk)
+    blocks = []  # (u, Q) as [B, chunks, length] views of the same storage
+    if whole:
+        cut = whole * chunk
+        blocks.append((values[:, :cut].view(b, whole, chunk), scale[:, :cut].view(b, whole, chunk)))
+    if tail:
+        blocks.append(
+            (values[:, t - tail :].view(b, 1, tail), scale[:, t - tail :].view(b, 1, tail))
+        )
+    carry = boundary
+    for u, q in blocks:
+        u.div_(q)
+        totals = u.sum(-1)  # (B, chunks)
+        ends = q[..., -1]  # (B, chunks): decay across each whole chunk
+        incoming = torch.empty_like(totals)
+        for index in range(totals.shape[1]):
+            incoming[:, index] = carry
+            carry = ends[:, index] * (carry + totals[:, index])
+        u[..., 0].add_(incoming)
+        u.cumsum_(-1)
+        u.mul_(q)
 
 
 def _next_action_values(
@@ -252,37 +266,52 @@ def batch_gae(
     )
     if r.requires_grad or v.requires_grad:
         r, v, boot = r.detach(), v.detach(), boot.detach()
-    maskf = mask.to(r.dtype)
-    rewards_on_actions = r * maskf
-    if not torch.equal(rewards_on_actions, r):
-        raise ValueError("rewards has nonzero entries on positions where action_mask is 0")
-    values_on_actions = v * maskf
     decay = gamma * trace_decay
-    if torch.tensor(decay, dtype=r.dtype) == 0:
-        # A decay that underflows in this dtype contributes nothing the dtype can hold.
-        decay = 0.0
+    if 0.0 < decay < _min_scaled_decay(r.dtype):
+        # So small a decay would push the chunk rescaling past the float range; such values
+        # are far from any practical setting, so the plain loop handles them.
+        if not torch.equal(r * mask, r):
+            raise ValueError("rewards has nonzero entries on positions where action_mask is 0")
+        advantages, returns = _loop(r, v, mask, boot, gamma, trace_decay)
+        return restore(advantages, kind), restore(returns, kind)
+    # Work in reversed time so both recurrences run forward, and in place on a handful of
+    # buffers: fresh multi-megabyte allocations (page faults) cost more than the arithmetic.
+    rewards_rev = r.flip(-1)
+    values_rev = v.flip(-1)
+    maskf = mask.flip(-1).to(r.dtype)
+    nonzero = torch.count_nonzero(rewards_rev)
+    rewards_rev.mul_(maskf)
+    if torch.count_nonzero(rewards_rev) != nonzero:
+        raise ValueError("rewards has nonzero entries on positions where action_mask is 0")
+    values_rev.mul_(maskf)  # values on action positions
+    returns_rev = rewards_rev
     if gamma == 0.0:
-        returns = rewards_on_actions
+        pass  # returns are the rewards themselves
     elif decay == 0.0:
-        # trace_decay == 0: the one-step residual; the scaled recurrence needs decay > 0.
-        returns = (r + gamma * _next_action_values(v, mask, boot)) * maskf
-    elif trace_decay == 1.0:
-        # Y reduces to the bootstrap, which folds into R's boundary (gamma == decay here).
-        (reward_to_go,) = _passthrough_recurrence([rewards_on_actions], maskf, decay, [boot])
-        returns = reward_to_go * maskf
+        # trace_decay == 0: the one-step residual; the scaled scan needs decay > 0.
+        following = _next_action_values(v, mask, boot).flip(-1)
+        returns_rev.add_(following.mul_(maskf), alpha=gamma)
     else:
-        reward_to_go, carried = _passthrough_recurrence(
-            [rewards_on_actions, values_on_actions * (1.0 - trace_decay)],
-            maskf,
-            decay,
-            [torch.zeros_like(boot), boot],
-        )
-        # returns_t = R_t + gamma * Y_{t+1}: add Y shifted left by one in place (no copy),
-        # the bootstrap entering at the row's end.
-        reward_to_go[:, :-1].add_(carried[:, 1:], alpha=gamma)
-        reward_to_go[:, -1].add_(boot, alpha=gamma)
-        returns = reward_to_go.mul_(maskf)
-    advantages = returns - values_on_actions
+        scale = None
+        chunk = _chunk_length(decay, r.shape[1], r.dtype)
+        if decay != 1.0:
+            scale = torch.rsub(maskf, 1.0).add_(maskf, alpha=decay)  # g: decay on actions
+            whole = (r.shape[1] // chunk) * chunk
+            scale[:, :whole].view(r.shape[0], -1, chunk).cumprod_(-1)
+            scale[:, whole:].cumprod_(-1)
+        if trace_decay == 1.0:
+            # Y reduces to the bootstrap, which folds into R's boundary (gamma == decay).
+            _scan_in_place(returns_rev, scale, boot, chunk)
+        else:
+            carried = values_rev * (1.0 - trace_decay)
+            _scan_in_place(returns_rev, scale, torch.zeros_like(boot), chunk)
+            _scan_in_place(carried, scale, boot, chunk)
+            # returns_t = R_t + gamma * Y_{t+1}; Y_T is the bootstrap. Reversed: shift by one.
+            returns_rev[:, 1:].add_(carried[:, :-1], alpha=gamma)
+            returns_rev[:, 0].add_(boot, alpha=gamma)
+        returns_rev.mul_(maskf)
+    advantages_rev = values_rev.neg_().add_(returns_rev)
+    advantages, returns = advantages_rev.flip(-1), returns_rev.flip(-1)
     return restore(advantages, kind), restore(returns, kind)
 
 
