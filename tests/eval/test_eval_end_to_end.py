@@ -10,6 +10,7 @@ from tracerl.cli import main
 from tracerl.envs.sandbox import Sandbox, SandboxLimits
 from tracerl.envs.suite import generate_split
 from tracerl.envs.tasks import Task, dump_tasks, load_tasks
+from tracerl.envs.tools import TOOL_SCHEMAS
 from tracerl.eval.evaluate import EvalSettings, load_policy, run_evaluation
 from tracerl.eval.scripted import ScriptedPolicy, protected_edit_script, solution_script
 from tracerl.models.tiny import (
@@ -58,9 +59,11 @@ def task_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # The tool schemas are in every prompt: a tokenizer that knows them keeps prompts short.
     corpus = [json.dumps(row) for row in HAND_WRITTEN] * 3 + [
+        json.dumps(tool["function"]) for tool in TOOL_SCHEMAS] * 3 + [
         render_tool_call("run_tests", {}), render_tool_call("submit", {})] * 5
-    tokenizer = train_tokenizer(corpus, vocab_size=400)
+    tokenizer = train_tokenizer(corpus, vocab_size=1000)
     model = build_tiny_model(tokenizer, TinyModelConfig(
         hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_positions=8192))
     return save_tiny(model, tokenizer, tmp_path_factory.mktemp("policy") / "untrained")
@@ -80,21 +83,21 @@ def test_eval_cli_on_a_hand_written_file_records_budget_costs_and_endings(
         task_file: Path, policy_dir: Path, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "eval.json"
-    code = main(["eval", "--policy", str(policy_dir), "--tasks", str(task_file), "--samples", "3",
-                 "--temperature", "1.0", "--max-turns", "3", "--max-new-tokens-per-turn", "24",
-                 "--max-new-tokens", "96", "--json", str(out)])
+    code = main(["eval", "--policy", str(policy_dir), "--tasks", str(task_file), "--samples", "2",
+                 "--temperature", "1.0", "--max-turns", "2", "--max-new-tokens-per-turn", "16",
+                 "--max-new-tokens", "64", "--json", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
     assert "success (hidden tests, audited)" in printed and "wrong_constant" in printed
     result = json.loads(out.read_text(encoding="utf-8"))
-    assert result["tasks"] == 2 and result["attempts"] == 6
-    assert set(result["pass_at_k"]) == {"1", "2", "3"}
+    assert result["tasks"] == 2 and result["attempts"] == 4
+    assert set(result["pass_at_k"]) == {"1", "2"}
     assert 0.0 <= result["ci95"][0] <= result["success"] <= result["ci95"][1] <= 1.0
-    assert sum(result["by_ending"].values()) == 6
+    assert sum(result["by_ending"].values()) == 4
     assert set(result["by_family"]) == {"wrong_comparison", "wrong_constant"}
     assert result["generated_tokens"] > 0 and result["wall_seconds"] > 0
     assert result["tool_seconds"] >= 0 and result["settings"]["temperature"] == 1.0
-    assert result["settings"]["samples"] == 3 and result["training_cost"] is None
+    assert result["settings"]["samples"] == 2 and result["training_cost"] is None
     assert {"hack_flags", "visible_success", "hidden_success", "per_task"} <= set(result)
 
 
