@@ -122,7 +122,14 @@ class RolloutConfig:
     """Context length at which the history is compacted into a summary and the attempt goes on
     as a new fragment; None: never compact."""
     concurrency: int = 32
-    """Attempts in flight at once."""
+    """Attempts in flight at once (also the sampler's largest batch)."""
+    env_workers: int = 4
+    """Threads running environment steps (sandboxed test runs) beside generation."""
+    system_prompt: str | None = None
+    """System message before the first observation."""
+    show_tool_schemas: bool = True
+    """Render the tools' JSON schemas into the prompt (long); off: the system prompt alone
+    tells the policy about the tools (the tiny demo model's choice)."""
     process_reward: bool = False
     """Give each turn that ran the visible tests a process reward (the pass rate). Off by
     default: it rewards what the visible tests measure, a possible source of bias."""
@@ -190,9 +197,6 @@ class CriticConfig:
     """Weight of the value loss in the total loss."""
     clip: float | None = 0.2
     """Value clipping around the old values; None: plain squared error."""
-    heldout_fraction: float = 0.25
-    """Share of completed attempts whose returns are left out of the value fit each step, for
-    the explained-variance metric on returns the critic was not fitted on."""
 
 
 @dataclass(frozen=True)
@@ -266,6 +270,8 @@ class TrainConfig:
     """Stop RL after this many seconds (the step in progress finishes)."""
     checkpoint_every: int = 1
     """Checkpoint every this many steps (the last step is always saved)."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept on disk (older ones are deleted)."""
     threads: int | None = None
     """torch intra-op threads; None leaves torch's default."""
     tensorboard: bool = True
@@ -448,7 +454,8 @@ def validate(config: TrainConfig) -> None:
         "steps": config.steps, "checkpoint_every": config.checkpoint_every,
         "rollout.tasks_per_step": r.tasks_per_step, "rollout.group_size": r.group_size,
         "rollout.max_turns": r.max_turns, "rollout.max_new_tokens": r.max_new_tokens,
-        "rollout.concurrency": r.concurrency, "update.epochs": u.epochs,
+        "rollout.concurrency": r.concurrency,
+        "rollout.env_workers": r.env_workers, "update.epochs": u.epochs,
         "update.minibatches": u.minibatches, "update.micro_batch_rows": u.micro_batch_rows,
         "eval.samples_per_task": config.eval.samples_per_task,
         "sft.batch_size": config.sft.batch_size, "sft.demos_per_task": config.sft.demos_per_task,
@@ -465,7 +472,6 @@ def validate(config: TrainConfig) -> None:
                         "sft.wrong_edit_fraction": config.sft.wrong_edit_fraction,
                         "sft.recovery_fraction": config.sft.recovery_fraction,
                         "sft.check_fraction": config.sft.check_fraction,
-                        "critic.heldout_fraction": c.heldout_fraction,
                         "dynamic.success_prior": config.dynamic.success_prior,
                         "dynamic.success_ema": config.dynamic.success_ema}
     for name, fraction in fractions.items():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,7 +93,7 @@ class ActorCritic(torch.nn.Module):
         """Logprobs in the loss are taken under ``log_softmax(logits / temperature)``, the
         distribution the rollouts were sampled from (smooth, so it can be differentiated)."""
         self.critic_kind = critic.kind
-        hidden = int(policy.config.hidden_size)  # type: ignore[union-attr]
+        hidden = int(getattr(policy, "config").hidden_size)  # noqa: B009 (a transformers model)
         self.critic_backbone: torch.nn.Module | None = None
         self.value_head: torch.nn.Linear | None = None
         if critic.kind != "none":
@@ -100,7 +101,24 @@ class ActorCritic(torch.nn.Module):
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
         if critic.kind == "separate":
-            self.critic_backbone = copy.deepcopy(policy).model  # type: ignore[union-attr]
+            backbone: torch.nn.Module = getattr(copy.deepcopy(policy), "model")  # noqa: B009
+            self.critic_backbone = backbone
+
+    def critic_state(self) -> dict[str, Any]:
+        """The critic's own weights (the head, and the separate backbone if any)."""
+        state: dict[str, Any] = {}
+        if self.value_head is not None:
+            state["head"] = self.value_head.state_dict()
+        if self.critic_backbone is not None:
+            state["backbone"] = self.critic_backbone.state_dict()
+        return state
+
+    def load_critic_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`critic_state` returned."""
+        if self.value_head is not None and "head" in state:
+            self.value_head.load_state_dict(state["head"])
+        if self.critic_backbone is not None and "backbone" in state:
+            self.critic_backbone.load_state_dict(state["backbone"])
 
     @property
     def has_critic(self) -> bool:

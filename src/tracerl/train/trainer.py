@@ -1,0 +1,712 @@
+"""The training loop, top to bottom: collect → verify → advantages → update → evaluate →
+checkpoint, each phase timed, with hooks after every phase.
+
+``Trainer(config).run()`` builds (or resumes) everything from the config: tasks, sandbox and
+environment, the policy (a tiny Llama with a locally trained tokenizer, optionally warm-started
+on demonstrations, or a transformers model), the critic, the reference model, the trace store
+and the optimizer. Attempts go to the trace store as they finish; a checkpoint after each step
+records what the step did, so a killed run restarts from the last checkpoint, reuses the
+complete groups the store already holds for the step in progress, and neither repeats nor
+loses an update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import math
+import random
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracerl.core import kl_reward_penalty, loss_weights, mismatch_metrics
+from tracerl.envs import CodingEnv, Sandbox, Task, load_tasks
+from tracerl.envs.suite import generate_split
+from tracerl.envs.tools import parse_tool_call
+from tracerl.rollout import HFPolicy, SamplingParams
+from tracerl.rollout.chat_tokens import ChatTokens
+from tracerl.rollout.collector import Collector, CollectorConfig
+from tracerl.rollout.compaction import CompactionConfig
+from tracerl.trace import Attempt, PackedBatch, Role, TraceStore, Turn, pack, read_attempts
+from tracerl.train import checkpoint as ckpt
+from tracerl.train.algorithms import (
+    AdvantageInputs,
+    compute_advantages,
+    group_outcome_metrics,
+)
+from tracerl.train.config import TrainConfig, dump_config
+from tracerl.train.metrics import MetricsWriter, StepProgress
+from tracerl.train.sft import (
+    demonstration_texts,
+    make_demonstrations,
+    supervised_finetune,
+    tokenize_demonstration,
+)
+from tracerl.train.update import ActorCritic, RowBatch, freeze_old, ppo_update
+
+Hook = Callable[[str, "Trainer"], None]
+"""Called after every phase with its name (``collect``, ``verify``, ``advantages``, ``update``,
+``evaluate``, ``checkpoint``, ``sft``) and the trainer."""
+
+PHASES = ("collect", "verify", "advantages", "update", "evaluate", "checkpoint")
+"""The loop's phases, in order."""
+
+
+class Trainer:
+    """One run of :class:`TrainConfig` (see the module docstring)."""
+
+    def __init__(self, config: TrainConfig, *, hooks: Sequence[Hook] = (),
+                 log: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.hooks = list(hooks)
+        self.log = log or (lambda message: None)
+        self.run_dir = Path(config.run_dir)
+        self.state = ckpt.TrainerState()
+        self.timings: dict[str, float] = defaultdict(float)
+        """Seconds spent per phase in this process."""
+        self.started = time.perf_counter()
+        self.last_metrics: dict[str, Any] = {}
+        self.steps_here = 0
+        """RL steps run by this process (a resumed run counts from its restart)."""
+        self.step_seconds = 0.0
+        """Wall seconds of those steps."""
+
+    # -- phases -----------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Run (or resume) the whole recipe; returns the summary written to ``summary.json``."""
+        self.setup()
+        if self.config.sft.enabled and not (self.run_dir / "sft" / "DONE").is_file():
+            with self.phase("sft"):
+                self.warm_start()
+        before = self.evaluate_once("before")
+        with StepProgress(self.config.steps, enabled=self.config.progress,
+                          done=self.state.step) as progress:
+            while self.state.step < self.config.steps and self.time_left_for_step():
+                step_started = time.perf_counter()
+                with self.phase("collect"):
+                    attempts, collect_metrics = self.collect(self.state.step)
+                with self.phase("verify"):
+                    batch, verify_metrics = self.verify(attempts)
+                with self.phase("advantages"):
+                    rows, advantage_metrics = self.advantages(batch)
+                with self.phase("update"):
+                    update_metrics = self.update(rows, batch)
+                metrics = {**collect_metrics, **verify_metrics, **advantage_metrics,
+                           **update_metrics}
+                if self.config.eval.every and (self.state.step + 1) % self.config.eval.every == 0:
+                    with self.phase("evaluate"):
+                        metrics["eval"] = self.evaluate(f"step{self.state.step + 1:05d}")["sampled"]
+                step_seconds = time.perf_counter() - step_started
+                self.finish_step(metrics, step_seconds)
+                progress.advance(f"reward {metrics['reward']['mean']:.2f}  "
+                                 f"{step_seconds:.0f}s/step")
+        after = self.evaluate_once("after")
+        return self.write_summary(before, after)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a phase and call the hooks after it."""
+        started = time.perf_counter()
+        yield
+        self.timings[name] += time.perf_counter() - started
+        for hook in self.hooks:
+            hook(name, self)
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Tasks, environment, model, critic, reference, optimizer, store; resume if possible."""
+        config = self.config
+        torch.manual_seed(config.seed)
+        random.seed(config.seed)
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._check_config_file()
+        self.train_tasks = self._load_tasks("train")
+        self.heldout_tasks = self._load_tasks("heldout")
+        self.sandbox = Sandbox()
+        latest = ckpt.latest_checkpoint(self.run_dir)
+        sft_dir = self.run_dir / "sft"
+        if latest is not None:
+            model, tokenizer = self._load_model(latest)
+            self.log(f"resuming from {latest}")
+        elif (sft_dir / "DONE").is_file():
+            model, tokenizer = self._load_model(sft_dir)
+        else:
+            model, tokenizer = self._build_model()
+        self.tokenizer = tokenizer
+        self.actor = ActorCritic(model, config.critic, config.rollout.temperature)
+        self.policy = HFPolicy(model, tokenizer, max_batch_size=config.rollout.concurrency)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": self.actor.policy_parameters(), "lr": config.update.lr},
+             {"params": self.actor.critic_parameters(), "lr": config.critic.lr}],
+            weight_decay=config.update.weight_decay)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        if latest is not None:
+            self.state, extra = ckpt.load_trainer_file(latest)
+            self.optimizer.load_state_dict(extra["optimizer"])
+            if extra.get("critic") is not None and self.actor.value_head is not None:
+                self.actor.load_critic_state(extra["critic"])
+            self.generator.set_state(extra["generator"])
+            ckpt.set_rng_state(extra["rng"])
+        self.policy.policy_version = self.state.policy_version
+        self.reference: ActorCritic | None = None
+        self.store = TraceStore(self.run_dir / "traces", fsync=False)
+        self.metrics = MetricsWriter(self.run_dir, tensorboard=config.tensorboard)
+
+    def _check_config_file(self) -> None:
+        path = self.run_dir / "config.yaml"
+        text = dump_config(self.config)
+        if path.is_file() and path.read_text(encoding="utf-8") != text:
+            # The run's recipe changed under a resume: keep the old one visible, use the new.
+            path.rename(self.run_dir / f"config.{int(time.time())}.yaml")
+        path.write_text(text, encoding="utf-8")
+
+    def _load_tasks(self, split: str) -> list[Task]:
+        tasks = self.config.tasks
+        source = tasks.train_file if split == "train" else tasks.heldout_file
+        if source is not None:
+            return list(load_tasks(source))
+        count = tasks.train_count if split == "train" else tasks.heldout_count
+        return generate_split("train" if split == "train" else "heldout", tasks.suite_seed, count)
+
+    def make_env_factory(self, tasks: Sequence[Task]) -> Callable[[], CodingEnv]:
+        """A factory of fresh environments over ``tasks`` (one per attempt)."""
+        turns = self.config.rollout.max_turns
+        return lambda: CodingEnv(tasks, sandbox=self.sandbox, max_turns=turns)
+
+    def _load_model(self, directory: Path) -> tuple[Any, Any]:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True,
+                                                     dtype=torch.float32)
+        return model, tokenizer
+
+    def _build_model(self) -> tuple[Any, Any]:
+        config = self.config
+        if config.model.kind == "pretrained":
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            assert config.model.path is not None
+            tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+            model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
+            return model, tokenizer
+        if config.model.path is not None:
+            return self._load_model(Path(config.model.path))
+        from tracerl.models.tiny import TinyModelConfig, build_tiny_model, train_tokenizer
+
+        texts = demonstration_texts(self.demonstrations())
+        if config.rollout.system_prompt:
+            texts.append(config.rollout.system_prompt)
+        tokenizer = train_tokenizer(texts, vocab_size=config.model.vocab_size)
+        shape = TinyModelConfig(
+            hidden_size=config.model.hidden_size, num_layers=config.model.num_layers,
+            num_heads=config.model.num_heads, intermediate_size=config.model.intermediate_size,
+            max_positions=config.model.max_positions)
+        return build_tiny_model(tokenizer, shape, seed=config.seed), tokenizer
+
+    def demonstrations(self) -> list[Any]:
+        """The (imperfect) demonstrations of the train split, made once per process."""
+        if not hasattr(self, "_demos"):
+            sft = self.config.sft
+            self._demos = make_demonstrations(
+                self.train_tasks, self.make_env_factory(self.train_tasks),
+                demos_per_task=sft.demos_per_task, wrong_fraction=sft.wrong_edit_fraction,
+                recovery_fraction=sft.recovery_fraction, check_fraction=sft.check_fraction,
+                seed=self.config.seed)
+        return self._demos
+
+    def chat_tokens(self) -> ChatTokens:
+        """The collector's conversation format for this run."""
+        from tracerl.envs.tools import TOOL_SCHEMAS
+
+        tools = TOOL_SCHEMAS if self.config.rollout.show_tool_schemas else None
+        return ChatTokens(self.policy, tools=tools,
+                          system_prompt=self.config.rollout.system_prompt)
+
+    # -- warm start ---------------------------------------------------------------------------
+
+    def warm_start(self) -> None:
+        """Supervised fine-tuning on the demonstrations; saves the result to ``sft/``."""
+        sft = self.config.sft
+        chat = self.chat_tokens()
+        sequences = [tokenize_demonstration(d, chat, self.tokenizer) for d in self.demonstrations()]
+        kinds = Counter(d.kind for d in self.demonstrations())
+        result = supervised_finetune(
+            self.actor.policy, sequences, steps=sft.steps, batch_size=sft.batch_size, lr=sft.lr,
+            seed=self.config.seed, pad_id=int(self.tokenizer.pad_token_id),
+            max_seconds=sft.max_seconds)
+        directory = self.run_dir / "sft"
+        self.actor.policy.save_pretrained(directory)  # type: ignore[operator]
+        self.tokenizer.save_pretrained(directory)
+        record = {"steps": result.steps, "seconds": result.seconds,
+                  "final_loss": result.final_loss, "demonstrations": dict(kinds),
+                  "losses": list(result.losses)}
+        (directory / "sft.json").write_text(json.dumps(record), encoding="utf-8")
+        (directory / "DONE").write_text("", encoding="utf-8")
+        self.metrics.write(0, {"sft": {k: v for k, v in record.items() if k != "losses"}},
+                           kind="sft")
+        self.log(f"SFT: {result.steps} steps in {result.seconds:.0f}s, loss {result.final_loss:.3f}")
+
+    # -- collect ------------------------------------------------------------------------------
+
+    def collector(self, tasks: Sequence[Task], *, temperature: float, seed: int,
+                  store: TraceStore | None) -> Collector:
+        """A collector over ``tasks`` with this run's budgets."""
+        rollout = self.config.rollout
+        compaction = (CompactionConfig(threshold_tokens=rollout.compact_at_tokens)
+                      if rollout.compact_at_tokens is not None else None)
+        tools = None if rollout.show_tool_schemas else ()
+        sampling = SamplingParams(temperature=temperature, top_p=rollout.top_p if temperature
+                                  else 1.0, top_k=rollout.top_k if temperature else 0,
+                                  max_new_tokens=rollout.max_new_tokens)
+        config = CollectorConfig(
+            sampling=sampling, max_turns=rollout.max_turns,
+            max_new_tokens=rollout.max_attempt_tokens, max_seconds=rollout.max_seconds,
+            max_concurrent=rollout.concurrency, max_batch_size=rollout.concurrency,
+            env_workers=rollout.env_workers, seed=seed, system_prompt=rollout.system_prompt,
+            tools=tools, compaction=compaction, handle_signals=False)
+        policy: Any = self.policy  # HFPolicy satisfies the collector's SamplingPolicy
+        return Collector(policy, self.make_env_factory(tasks), store, config)
+
+    def choose_tasks(self, step: int, count: int, exclude: set[str]) -> list[Task]:
+        """Tasks of one step: success-weighted (keeps groups mixed) or a seeded sweep."""
+        rng = random.Random(f"{self.config.seed}:tasks:{step}:{len(exclude)}")
+        pool = [t for t in self.train_tasks if t.id not in exclude]
+        dynamic = self.config.dynamic
+        if dynamic.success_sampling:
+            group = self.config.rollout.group_size
+            weights = []
+            for task in pool:
+                p = self.state.task_success.get(task.id, dynamic.success_prior)
+                mixed = 1.0 - p**group - (1.0 - p) ** group  # P_mix: a group that varies
+                weights.append(max(dynamic.min_weight, mixed))
+            chosen: list[Task] = []
+            while pool and len(chosen) < count:
+                pick = rng.choices(range(len(pool)), weights=weights)[0]
+                chosen.append(pool.pop(pick))
+                weights.pop(pick)
+            return chosen
+        epoch_size = max(1, len(self.train_tasks) // count)
+        order = list(self.train_tasks)
+        random.Random(f"{self.config.seed}:sweep:{step // epoch_size}").shuffle(order)
+        start = (step % epoch_size) * count
+        chosen = [t for t in order[start:start + count] if t.id not in exclude]
+        return chosen or rng.sample(pool, min(count, len(pool)))
+
+    def collect(self, step: int) -> tuple[list[Attempt], dict[str, Any]]:
+        """Collect the step's groups, reusing complete groups a killed run already stored."""
+        rollout, dynamic = self.config.rollout, self.config.dynamic
+        stored = self._stored_groups(step)
+        kept: list[Attempt] = []
+        filtered = Counter[str]()
+        used: set[str] = set()
+        seconds: dict[str, float] = defaultdict(float)
+        for round_index in range(1 + (dynamic.max_refills if dynamic.refill else 0)):
+            missing = rollout.tasks_per_step - len({a.group_id for a in kept})
+            if missing <= 0:
+                break
+            tasks = self.choose_tasks(step, missing, used)
+            used.update(t.id for t in tasks)
+            run_id = f"s{step:05d}r{round_index}"
+            attempts: list[Attempt] = []
+            fresh: list[Task] = []
+            for task in tasks:
+                group = stored.get(f"{run_id}:{task.id}")
+                if group is not None and len(group) == rollout.group_size:
+                    attempts.extend(group)
+                else:
+                    fresh.append(task)
+            if fresh:
+                result = self.collector(fresh, temperature=rollout.temperature,
+                                        seed=self.config.seed, store=self.store
+                                        ).collect(fresh, rollout.group_size,
+                                                  policy_version=self.policy.policy_version,
+                                                  run_id=run_id)
+                attempts.extend(result.attempts)
+                seconds["generation"] += result.generation_seconds
+                seconds["wall"] += result.wall_seconds
+            for members in _by_group(attempts).values():
+                rewards = [a.reward for a in members if a.reward is not None]
+                uniform = len(set(rewards)) <= 1
+                if dynamic.filter_uniform and uniform:
+                    filtered["all_one" if rewards and rewards[0] >= 1 else "all_zero"] += 1
+                    continue
+                kept.extend(members)
+            if not dynamic.filter_uniform:
+                break
+        self.state.totals["filtered_groups"] = (self.state.totals.get("filtered_groups", 0.0)
+                                                + sum(filtered.values()))
+        metrics: dict[str, Any] = {"dynamic": {"filtered_all_zero": filtered["all_zero"],
+                                               "filtered_all_one": filtered["all_one"],
+                                               "rounds": len(used) and round_index + 1},
+                                   "time": {"generation_seconds": seconds["generation"]}}
+        return kept, metrics
+
+    def _stored_groups(self, step: int) -> dict[str, list[Attempt]]:
+        """Groups of ``step`` a previous process stored before it died (empty normally)."""
+        prefix = f"s{step:05d}r"
+        if not any(i.startswith(prefix) for i in self.store.attempt_ids):
+            return {}
+        groups: dict[str, list[Attempt]] = defaultdict(list)
+        for attempt in read_attempts(self.store.directory):
+            if attempt.group_id.startswith(prefix):
+                groups[attempt.group_id].append(attempt)
+        return {g: sorted(m, key=lambda a: a.attempt_id) for g, m in groups.items()}
+
+    # -- verify -------------------------------------------------------------------------------
+
+    def verify(self, attempts: list[Attempt]) -> tuple[PackedBatch, dict[str, Any]]:
+        """Outcomes, audit flags, process rewards and treatments → the packed batch.
+
+        The sandboxed verifier itself ran during collection (at submit, or on the files a
+        truncated attempt left), overlapping with generation; this phase reads its verdicts,
+        counts audit flags (a flagged attempt's reward is already 0), adds process rewards if
+        configured, and applies each ending's treatment while packing.
+        """
+        if self.config.rollout.process_reward:
+            attempts = [self._with_process_rewards(a) for a in attempts]
+        flagged = sum(1 for a in attempts if a.audit is not None and a.audit.flagged)
+        batch = pack(attempts, has_critic=self.actor.has_critic,
+                     pad_token_id=int(self.tokenizer.pad_token_id))
+        rewards = [a.reward for a in attempts if a.reward is not None]
+        successes = [float(a.verifier is not None and a.verifier.passed and (a.reward or 0) > 0)
+                     for a in attempts]
+        endings = Counter(a.end_reason.value for a in attempts)
+        per = lambda values: sum(values) / max(1, len(values))  # noqa: E731
+        scored = batch.attempt_scored
+        metrics: dict[str, Any] = {
+            "reward": {"mean": per(rewards)},
+            "success": {"mean": per(successes)},
+            "endings": dict(endings),
+            "attempts": {"collected": len(attempts), "in_batch": batch.report.attempts,
+                         "excluded": sum(batch.report.excluded.values()),
+                         "dropped_groups": len(batch.report.dropped_groups),
+                         "audit_flagged": flagged},
+            "horizon": {
+                "tokens": per([a.costs.generated_tokens for a in attempts]),
+                "tool_calls": per([a.costs.tool_calls for a in attempts]),
+                "turns": per([a.costs.turns for a in attempts]),
+                "fragments": per([len(a.fragments) for a in attempts])},
+            "costs": {"generated_tokens": sum(a.costs.generated_tokens for a in attempts),
+                      "tool_seconds": sum(a.costs.tool_seconds for a in attempts)},
+        }
+        if bool(scored.any()):
+            groups = group_outcome_metrics(batch.attempt_rewards[scored],
+                                           batch.attempt_group_index[scored])
+            total = max(1.0, groups["groups/count"])
+            metrics["groups"] = {"count": groups["groups/count"],
+                                 "uniform_rate": groups["groups/uniform_fraction"],
+                                 "all_zero_rate": groups["groups/uniform_zero"] / total,
+                                 "all_one_rate": groups["groups/uniform_one"] / total}
+        self.last_attempts = attempts
+        return batch, metrics
+
+    def _with_process_rewards(self, attempt: Attempt) -> Attempt:
+        """Each turn that ran the visible tests gets ``coef * [the tests passed]``, read from
+        the observation that came back. Off by default: it rewards what the visible tests
+        measure, which the hidden tests may not (a possible source of bias)."""
+        coef = self.config.rollout.process_reward_coef
+        fragments = []
+        for fragment in attempt.fragments:
+            turns = list(fragment.turns)
+            for i, turn in enumerate(turns):
+                action = [s for s in turn.segments if s.role is Role.ACTION]
+                if not action:
+                    continue
+                text = self.policy.decode(action[-1].token_ids.tolist())
+                call = parse_tool_call(text).call
+                if call is None or call.name != "run_tests":
+                    continue
+                if i + 1 < len(turns):
+                    following = turns[i + 1].segments[0].token_ids
+                else:
+                    following = fragment.continuation_ids
+                passed = self.policy.decode(following.tolist()).lstrip().startswith("PASS")
+                turns[i] = Turn(turn.segments, coef * float(passed))
+            fragments.append(dataclasses.replace(fragment, turns=tuple(turns)))
+        return dataclasses.replace(attempt, fragments=tuple(fragments))
+
+    # -- advantages -----------------------------------------------------------------------------
+
+    def advantages(self, batch: PackedBatch) -> tuple[RowBatch, dict[str, Any]]:
+        """Freeze the old policy (and values, reference) once, bootstrap, estimate advantages."""
+        update = self.config.update
+        rows = RowBatch(batch.input_ids, batch.attention_mask, batch.action_mask,
+                        torch.zeros(batch.action_mask.shape), batch.behavior_logprobs,
+                        batch.task_index)
+        rows = freeze_old(self.actor, rows, update.micro_batch_rows, self._reference())
+        assert rows.old_logprobs is not None
+        metrics: dict[str, Any] = {}
+        mask = batch.action_mask
+        if bool(mask.any()):
+            metrics["mismatch"] = _strip(mismatch_metrics(
+                rows.old_logprobs, batch.behavior_logprobs, mask,
+                cap=update.tis_cap or 2.0), "mismatch/")
+        token_rewards = batch.token_rewards.clone()
+        if update.kl_coef > 0 and update.kl_in == "reward" and rows.ref_logprobs is not None:
+            penalty, _ = kl_reward_penalty(rows.old_logprobs, rows.ref_logprobs, mask,
+                                           update.kl_coef, update.kl_estimator)
+            token_rewards = token_rewards - penalty
+        bootstrap = None
+        if self.actor.has_critic:
+            bootstrap = torch.zeros(len(batch.layouts))
+            need = torch.nonzero(batch.needs_bootstrap).flatten()
+            for start in range(0, len(need), update.micro_batch_rows):
+                index = need[start:start + update.micro_batch_rows]
+                bootstrap[index] = self.actor.state_values(batch.continuation_ids[index],
+                                                           batch.continuation_mask[index])
+            metrics["critic"] = self._critic_report(batch, rows, token_rewards)
+        result = compute_advantages(
+            AdvantageInputs(batch, token_rewards, rows.old_values, bootstrap),
+            self.config.algorithm)
+        metrics["advantage"] = _strip(
+            {k: v for k, v in result.metrics.items() if k.startswith("advantage/")}, "advantage/")
+        metrics["algorithm"] = {k.replace("/", "_"): v for k, v in result.metrics.items()
+                                if not k.startswith("advantage/")}
+        metrics["segmentation"] = segmentation_report(batch, update.loss_mode,
+                                                      update.loss_constant)
+        rows = dataclasses.replace(rows, advantages=result.advantages, returns=result.returns)
+        return rows, metrics
+
+    def _reference(self) -> ActorCritic | None:
+        """The KL anchor: the policy as RL started (after the warm start), frozen."""
+        if self.config.update.kl_coef <= 0:
+            return None
+        if self.reference is None:
+            source = self.run_dir / "sft" if (self.run_dir / "sft" / "DONE").is_file() else None
+            if source is not None:
+                model, _ = self._load_model(source)
+            else:
+                model = copy.deepcopy(self.actor.policy)
+            model.requires_grad_(False)
+            self.reference = ActorCritic(model, dataclasses.replace(self.config.critic,
+                                                                    kind="none"),
+                                         self.config.rollout.temperature)
+        return self.reference
+
+    def _critic_report(self, batch: PackedBatch, rows: RowBatch,
+                       token_rewards: torch.Tensor) -> dict[str, float]:
+        """Explained variance of the old values against completed returns of this step's
+        attempts, which the critic has never been fitted on (they were just collected)."""
+        from tracerl.core import batch_gae
+
+        complete = (~batch.needs_bootstrap) & (batch.fragment_index == 0)
+        if not bool(complete.any()) or rows.old_values is None:
+            return {}
+        mask = batch.action_mask[complete]
+        _, returns = batch_gae(token_rewards[complete], torch.zeros(mask.shape), mask,
+                               torch.zeros(int(complete.sum())),
+                               gamma=self.config.algorithm.gamma, trace_decay=1.0)
+        target, predicted = returns[mask].double(), rows.old_values[complete][mask].double()
+        variance = float(target.var(unbiased=False))
+        explained = (1.0 - float((target - predicted).var(unbiased=False)) / variance
+                     if variance > 0 else 0.0)
+        return {"explained_variance_heldout": explained,
+                "predicted_return_mean": float(predicted.mean()),
+                "completed_return_mean": float(target.mean())}
+
+    # -- update ---------------------------------------------------------------------------------
+
+    def update(self, rows: RowBatch, batch: PackedBatch) -> dict[str, Any]:
+        """Epochs of minibatch PPO on the frozen batch; bumps the policy version."""
+        started = time.perf_counter()
+        metrics = ppo_update(self.actor, self.optimizer, rows, batch.attempt_index,
+                             self.config.update, self.config.critic, self.generator)
+        self.state.policy_version += 1
+        self.policy.policy_version = self.state.policy_version
+        grouped: dict[str, dict[str, float]] = defaultdict(dict)
+        for name, value in metrics.items():
+            section, _, key = name.partition("/")
+            grouped[section][key or "value"] = value
+        grouped["time"]["train_seconds"] = time.perf_counter() - started
+        grouped["tokens"]["action"] = float(batch.action_mask.sum())
+        grouped["tokens"]["total"] = float(batch.attention_mask.sum())
+        return dict(grouped)
+
+    def finish_step(self, metrics: dict[str, Any], step_seconds: float) -> None:
+        """Update task-success estimates, log the step, checkpoint."""
+        ema = self.config.dynamic.success_ema
+        for task_id, members in _by_task(self.last_attempts).items():
+            rate = sum(float(a.verifier is not None and a.verifier.passed) for a in members)
+            rate /= len(members)
+            old = self.state.task_success.get(task_id, self.config.dynamic.success_prior)
+            self.state.task_success[task_id] = (1 - ema) * old + ema * rate
+        costs = metrics.get("costs", {})
+        for key in ("generated_tokens", "tool_seconds"):
+            self.state.totals[key] = self.state.totals.get(key, 0.0) + float(costs.get(key, 0.0))
+        metrics.setdefault("time", {})["step_seconds"] = step_seconds
+        metrics["policy_version"] = self.state.policy_version
+        self.state.elapsed_seconds += step_seconds
+        self.steps_here += 1
+        self.step_seconds += step_seconds
+        self.metrics.write(self.state.step, metrics)
+        self.last_metrics = metrics
+        self.state.step += 1
+        last = self.state.step >= self.config.steps
+        if last or self.state.step % self.config.checkpoint_every == 0:
+            with self.phase("checkpoint"):
+                self.save()
+
+    def save(self) -> Path:
+        """Checkpoint the run as it is now."""
+        extra = {"optimizer": self.optimizer.state_dict(),
+                 "critic": self.actor.critic_state() if self.actor.has_critic else None,
+                 "generator": self.generator.get_state()}
+        path = ckpt.save_checkpoint(self.run_dir, self.state, self.actor.policy, self.tokenizer,
+                                    extra)
+        ckpt.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
+        return path
+
+    def time_left_for_step(self) -> bool:
+        """Whether another step and the final evaluation fit in ``max_seconds``."""
+        budget = self.config.max_seconds
+        if budget is None:
+            return True
+        used = time.perf_counter() - self.started
+        per_step = self.step_seconds / self.steps_here if self.steps_here else 0.0
+        # The final evaluation costs about what the first one did (same budget, same tasks).
+        final_eval = self.timings.get("evaluate_before", 0.0)
+        return used + per_step + final_eval < budget
+
+    # -- evaluate -------------------------------------------------------------------------------
+
+    def evaluate(self, label: str) -> dict[str, Any]:
+        """Held-out success with a fixed budget: K samples per task at the rollout temperature,
+        and one greedy attempt per task; hidden-test verdicts, task-level bootstrap CIs."""
+        from tracerl.eval.summary import summarize
+
+        tasks = self.heldout_tasks[: self.config.eval.tasks or len(self.heldout_tasks)]
+        families = {t.id: t.family for t in tasks}
+        seed = self.config.seed + 7919  # the same evaluation seeds before and after training
+        out: dict[str, Any] = {}
+        runs = [("sampled", self.config.rollout.temperature, self.config.eval.samples_per_task)]
+        if self.config.eval.greedy:
+            runs.append(("greedy", 0.0, 1))
+        for name, temperature, samples in runs:
+            with TraceStore(self.run_dir / "eval" / f"{label}-{name}", fsync=False) as store:
+                result = self.collector(tasks, temperature=temperature, seed=seed, store=store
+                                        ).collect(tasks, samples, run_id=f"{label}-{name}")
+            summary = summarize(list(result.attempts), families, max_k=samples,
+                                seed=self.config.seed,
+                                resamples=self.config.eval.bootstrap_resamples)
+            summary["wall_seconds"] = result.wall_seconds
+            summary["temperature"] = temperature
+            (self.run_dir / f"eval_{label}_{name}.json").write_text(
+                json.dumps(summary, indent=1), encoding="utf-8")
+            out[name] = {k: summary[k] for k in ("success", "ci95", "pass_at_k",
+                                                 "generated_tokens", "tool_seconds")}
+        return out
+
+    def evaluate_once(self, label: str) -> dict[str, Any]:
+        """``evaluate`` unless this run already wrote that evaluation (resume)."""
+        files = {n: self.run_dir / f"eval_{label}_{n}.json" for n in ("sampled", "greedy")}
+        wanted = ["sampled", "greedy"] if self.config.eval.greedy else ["sampled"]
+        if all(files[n].is_file() for n in wanted):
+            return {n: json.loads(files[n].read_text(encoding="utf-8")) for n in wanted}
+        started = time.perf_counter()
+        with self.phase("evaluate"):
+            result = self.evaluate(label)
+        self.timings[f"evaluate_{label}"] = time.perf_counter() - started
+        return result
+
+    def write_summary(self, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+        """``summary.json``: held-out success before and after, costs, where the policy is."""
+        latest = ckpt.latest_checkpoint(self.run_dir)
+        if latest is None or not latest.name.endswith(f"{self.state.step:06d}"):
+            latest = self.save()
+        greedy = self.config.eval.greedy
+        sampled_b, sampled_a = before["sampled"], after["sampled"]
+        train_tokens = self.state.totals.get("generated_tokens", 0.0)
+        eval_tokens = sum(r[n]["generated_tokens"] for r in (before, after) for n in r)
+        summary: dict[str, Any] = {
+            "heldout_success_before": sampled_b["success"],
+            "heldout_success_after": sampled_a["success"],
+            "heldout_greedy_before": before["greedy"]["success"] if greedy else None,
+            "heldout_greedy_after": after["greedy"]["success"] if greedy else None,
+            "heldout_ci95_before": sampled_b["ci95"],
+            "heldout_ci95_after": sampled_a["ci95"],
+            "heldout_greedy_ci95_before": before["greedy"]["ci95"] if greedy else None,
+            "heldout_greedy_ci95_after": after["greedy"]["ci95"] if greedy else None,
+            "heldout_pass_at_k_before": sampled_b["pass_at_k"],
+            "heldout_pass_at_k_after": sampled_a["pass_at_k"],
+            "samples_per_task": self.config.eval.samples_per_task,
+            "heldout_tasks": len(self.heldout_tasks[: self.config.eval.tasks
+                                                    or len(self.heldout_tasks)]),
+            "temperature": self.config.rollout.temperature,
+            "policy_dir": str(latest),
+            "sft_dir": str(self.run_dir / "sft") if self.config.sft.enabled else None,
+            "rl_steps": self.state.step,
+            "wall_seconds": time.perf_counter() - self.started,
+            "generated_tokens": int(train_tokens + eval_tokens),
+            "tool_seconds": self.state.totals.get("tool_seconds", 0.0) + sum(
+                r[n]["tool_seconds"] for r in (before, after) for n in r),
+            "phase_seconds": {k: v for k, v in self.timings.items()},
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1),
+                                                   encoding="utf-8")
+        self.close()
+        return summary
+
+    def close(self) -> None:
+        """Seal the trace store and close the metrics files."""
+        self.store.close()
+        self.metrics.close()
+
+
+def segmentation_report(batch: PackedBatch, mode: Any, constant: float | None
+                        ) -> dict[str, float]:
+    """Each task's share of the loss weight with its attempts' fragments as packed, and as if
+    each attempt were one row; the largest change shows what compaction did to the weights."""
+    mask = batch.action_mask
+    if not bool(mask.any()):
+        return {}
+    tasks = batch.task_index
+    try:
+        split = loss_weights(mask, mode, tasks, constant).sum(-1)
+    except ValueError:
+        return {}
+    per_attempt = torch.zeros(len(batch.attempt_ids))
+    per_attempt.index_add_(0, batch.attempt_index, mask.sum(-1).float())
+    width = int(per_attempt.max())
+    whole = torch.arange(width)[None, :] < per_attempt[:, None]
+    attempt_task = torch.zeros(len(batch.attempt_ids), dtype=torch.long)
+    attempt_task[batch.attempt_index] = tasks
+    try:
+        joined = loss_weights(whole, mode, attempt_task, constant).sum(-1)
+    except ValueError:
+        return {}
+    count = int(tasks.max()) + 1
+    share_split = torch.zeros(count, dtype=torch.float64).index_add_(0, tasks, split)
+    share_joined = torch.zeros(count, dtype=torch.float64).index_add_(0, attempt_task, joined)
+    return {"max_task_share_change": float((share_split - share_joined).abs().max()),
+            "split_attempts": float((torch.bincount(batch.attempt_index) > 1).sum()),
+            "max_task_share": float(share_split.max())}
+
+
+def _strip(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+    return {k.removeprefix(prefix): v for k, v in metrics.items() if math.isfinite(v)}
+
+
+def _by_group(attempts: Sequence[Attempt]) -> dict[str, list[Attempt]]:
+    groups: dict[str, list[Attempt]] = defaultdict(list)
+    for attempt in attempts:
+        groups[attempt.group_id].append(attempt)
+    return groups
+
+
+def _by_task(attempts: Sequence[Attempt]) -> dict[str, list[Attempt]]:
+    tasks: dict[str, list[Attempt]] = defaultdict(list)
+    for attempt in attempts:
+        tasks[attempt.task_id].append(attempt)
+    return tasks
