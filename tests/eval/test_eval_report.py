@@ -11,39 +11,49 @@ import pytest
 
 from tracerl.eval.compare import compare_runs, format_table
 from tracerl.eval.report import write_report
+from tracerl.eval.runs import read_run
+from tracerl.trace.store import TraceStore
+from tracerl.trace.synthetic import synthetic_attempt
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def make_run(directory: Path, *, estimator: str, critic: str, steps: int, seed: int,
              tokens_per_attempt: int = 40) -> Path:
-    """A run directory in the trainer's layout, from a small simulated training process."""
+    """A run directory in the trainer's layout (metrics.jsonl, summary.json, config.yaml and a
+    trace store of training attempts), from a small simulated training process."""
     rng = np.random.default_rng(seed)
     directory.mkdir(parents=True)
     (directory / "config.yaml").write_text(
         f"algorithm:\n  estimator: {estimator}\ncritic:\n  kind: {critic}\n", encoding="utf-8")
     p = 0.1
-    lines = []
-    for step in range(1, steps + 1):
-        p = min(0.9, p + 0.05)
-        groups = rng.random((8, 4)) < p  # 8 tasks x 4 samples
-        wins = groups.mean(axis=1)
-        record = {
-            "step": step, "reward": {"mean": float(groups.mean())},
-            "success": float(groups.mean()),
-            "success_ci95": [float(np.quantile(wins, 0.1)), float(np.quantile(wins, 0.9))],
-            "uniform_groups": {"all_zero_rate": float(np.mean(wins == 0)),
-                               "all_one_rate": float(np.mean(wins == 1))},
-            "endings": {"terminated": 28, "truncated_turns": 3, "tool_error": 1},
-            "costs": {"generated_tokens": 32 * tokens_per_attempt, "tool_seconds": 0.5},
-            "train_seconds": 1.5,
-        }
-        if critic != "none":
-            predicted = rng.random(16)
-            record["critic"] = {"explained_variance": float(0.1 * step / steps),
-                                "predicted_returns": predicted.tolist(),
-                                "completed_returns": (predicted + rng.normal(0, 0.2, 16)).tolist()}
-        lines.append(json.dumps(record))
+    lines = [json.dumps({"step": 0, "kind": "sft", "loss": 2.0})]
+    with TraceStore(directory / "traces", fsync=False) as store:
+        for step in range(steps):
+            p = min(0.9, p + 0.05)
+            groups = rng.random((8, 4)) < p  # 8 tasks x 4 samples
+            wins = groups.mean(axis=1)
+            for task, row in enumerate(groups):
+                for sample, won in enumerate(row):
+                    store.append(synthetic_attempt(
+                        rng, f"s{step}:{task}:{sample}", task_id=f"t{task}",
+                        group_id=f"s{step}:{task}", total_tokens=60, turns=2,
+                        reward=float(won), vocab_size=100, policy_version=step))
+            record: dict[str, object] = {
+                "step": step, "kind": "train", "reward": {"mean": float(groups.mean())},
+                "success": {"mean": float(groups.mean())},
+                "groups": {"all_zero_rate": float(np.mean(wins == 0)),
+                           "all_one_rate": float(np.mean(wins == 1))},
+                "endings": {"terminated": 28, "truncated_turns": 3, "tool_error": 1},
+                "attempts": {"collected": 32},
+                "costs": {"generated_tokens": 32 * tokens_per_attempt, "tool_seconds": 0.5},
+                "time": {"train_seconds": 1.5},
+            }
+            if critic != "none":
+                record["critic"] = {"explained_variance_heldout": 0.1 * step / steps,
+                                    "predicted_return_mean": float(rng.random()),
+                                    "completed_return_mean": float(groups.mean())}
+            lines.append(json.dumps(record))
     (directory / "metrics.jsonl").write_text("\n".join(lines) + "\n{\"step\": 9", encoding="utf-8")
     (directory / "summary.json").write_text(json.dumps({
         "heldout_success_before": 0.2, "heldout_success_after": 0.45,
@@ -69,7 +79,18 @@ def test_report_notes_a_half_written_line_and_draws_every_section(tmp_path: Path
     assert [plot.png is not None for plot in plots] == [True] * len(plots)
     text = out.read_text(encoding="utf-8")
     assert "skipped 1 unreadable line(s)" in text
-    assert "shaded 95% interval" in text
+    assert "95% bootstrap interval over tasks" in text
+
+
+def test_training_success_interval_comes_from_the_trace_store_by_policy_version(
+        tmp_path: Path) -> None:
+    run = read_run(make_run(tmp_path / "grpo", estimator="grpo", critic="none", steps=3, seed=4))
+    assert len(run.metrics) == 3  # the sft record and the half-written line are not steps
+    assert [s[0] for s in run.step_success] == [0, 1, 2]
+    for (_, mean, low, high, attempts), record in zip(run.step_success, run.metrics,
+                                                      strict=True):
+        assert attempts == 32 and mean == record["success.mean"]
+        assert low <= mean <= high
 
 
 def test_compare_reports_budgets_and_flags_unmatched_ones(tmp_path: Path) -> None:

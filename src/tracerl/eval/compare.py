@@ -17,7 +17,7 @@ from typing import Any
 from tracerl.eval.runs import RunFiles, number, read_run, total
 
 ENDING_PREFIXES = ("endings.", "ending.", "by_ending.")
-ROLLOUT_KEYS = ("attempts", "rollouts", "attempts.total", "collect.attempts")
+ROLLOUT_KEYS = ("attempts.collected", "attempts", "rollouts", "attempts.total", "collect.attempts")
 TOKEN_KEYS = ("costs.generated_tokens", "generated_tokens", "tokens.generated")
 TOOL_KEYS = ("costs.tool_seconds", "tool_seconds")
 TRAIN_KEYS = ("time.train_seconds", "train_seconds", "seconds.train")

@@ -31,7 +31,7 @@ from tracerl.trace.store import TraceStore
 
 TRAINING_COST_FILES = ("training_cost.json", "trainer_state.json", "checkpoint.json")
 """Files in a checkpoint directory that may say what training it cost."""
-TRAINING_COST_KEYS = ("step", "steps", "generated_tokens", "tool_seconds", "train_seconds",
+TRAINING_COST_KEYS = ("rl_steps", "step", "steps", "generated_tokens", "tool_seconds", "train_seconds",
                       "wall_seconds", "rollouts", "attempts")
 
 

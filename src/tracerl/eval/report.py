@@ -25,16 +25,16 @@ from tracerl.eval.runs import RunFiles, number, read_run, series
 # Metric names the trainer may use, most specific first (see tracerl.train.metrics).
 REWARD_KEYS = ("reward.mean", "reward_mean", "reward")
 SUCCESS_KEYS = ("success.mean", "success_mean", "success", "success_rate")
-ALL_ZERO_KEYS = ("uniform_groups.all_zero_rate", "uniform.all_zero_rate", "uniform_all_zero_rate",
+ALL_ZERO_KEYS = ("groups.all_zero_rate", "uniform_groups.all_zero_rate", "uniform.all_zero_rate", "uniform_all_zero_rate",
                  "groups.all_zero_rate", "uniform_all_zero", "uniform.all_zero",
                  "groups.all_zero")
-ALL_ONE_KEYS = ("uniform_groups.all_one_rate", "uniform.all_one_rate", "uniform_all_one_rate",
+ALL_ONE_KEYS = ("groups.all_one_rate", "uniform_groups.all_one_rate", "uniform.all_one_rate", "uniform_all_one_rate",
                 "groups.all_one_rate", "uniform_all_one", "uniform.all_one", "groups.all_one")
 EXPLAINED_VARIANCE_KEYS = ("critic.explained_variance_heldout", "critic.explained_variance",
                            "critic_explained_variance", "explained_variance")
-PREDICTED_KEYS = ("critic.predicted_returns", "critic.predicted", "critic.predicted_return",
+PREDICTED_KEYS = ("critic.predicted_return_mean", "critic.predicted_returns", "critic.predicted", "critic.predicted_return",
                   "predicted_return", "predicted_returns")
-COMPLETED_KEYS = ("critic.completed_returns", "critic.completed", "critic.completed_return",
+COMPLETED_KEYS = ("critic.completed_return_mean", "critic.completed_returns", "critic.completed", "critic.completed_return",
                   "completed_return", "completed_returns")
 ENDING_PREFIXES = ("endings.", "ending.", "by_ending.")
 COST_KEYS: dict[str, tuple[str, ...]] = {
@@ -93,7 +93,7 @@ def learning_curves(run: RunFiles) -> Plot:
              (("reward", REWARD_KEYS), ("success", SUCCESS_KEYS))]
     present = [(label, data) for label, data in found if data is not None]
     heldout = _heldout_points(run)
-    if not present and not heldout:
+    if not present and not heldout and not run.step_success:
         return Plot(title, None, "skipped: the run recorded no reward or success per step "
                     f"(looked for {REWARD_KEYS + SUCCESS_KEYS})")
     figure = Figure(figsize=(7.5, 3.8))
@@ -109,6 +109,17 @@ def learning_curves(run: RunFiles) -> Plot:
             notes.append(f"{label}: shaded 95% interval as recorded by the trainer")
         else:
             notes.append(f"{label}: no per-step interval recorded")
+    if run.step_success and not any(label == "success" and _interval(run.metrics, data[0])
+                                    for label, data in present if data is not None):
+        steps = [float(v) for v, *_ in run.step_success]
+        line = axis.plot(steps, [m for _, m, _, _, _ in run.step_success],
+                         label="train success (from traces)", linestyle="--")[0]
+        axis.fill_between(steps, [lo for _, _, lo, _, _ in run.step_success],
+                          [hi for _, _, _, hi, _ in run.step_success], alpha=0.2,
+                          color=line.get_color())
+        notes.append("train success from the trace store: hidden tests and audit per attempt, "
+                     "shaded 95% bootstrap interval over tasks, by the policy version that "
+                     "sampled it")
     for label, step, value, low, high in heldout:
         axis.errorbar([step], [value], yerr=[[value - low], [high - value]], fmt="s",
                       capsize=4, label=label)
@@ -264,7 +275,7 @@ def costs(run: RunFiles) -> Plot:
 def pass_at_k(run: RunFiles) -> Plot:
     title = "Held-out pass@k"
     curves: list[tuple[str, dict[str, Any]]] = []
-    for when in ("before", "after"):
+    for when in ("before", "after") if not run.evaluations else ():
         table = run.summary.get(f"heldout_pass_at_k_{when}")
         if isinstance(table, Mapping) and table:
             curves.append((when, dict(table)))

@@ -22,6 +22,8 @@ CONFIG_FILES = ("config.yaml", "config.yml", "config.json")
 """Where the run's resolved config may be."""
 SUMMARY_FILE = "summary.json"
 """The run's final summary (held-out success before and after, costs)."""
+TRACES_DIR = "traces"
+"""The run's trace store of training attempts, relative to the run directory."""
 
 
 def flatten(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -50,6 +52,9 @@ class RunFiles:
     """The run's config (empty when absent)."""
     evaluations: Mapping[str, Mapping[str, Any]]
     """Evaluation JSON files found in the run directory, by file name."""
+    step_success: tuple[tuple[int, float, float, float, int], ...] = ()
+    """(policy version, success, ci95 low, ci95 high, attempts) of the training attempts in
+    the run's trace store, per policy version that sampled them; empty without a store."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     """What was missing or skipped while reading."""
 
@@ -71,18 +76,19 @@ def read_metrics(path: Path, notes: list[str]) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     bad: list[int] = []
     with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+        for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
-                bad.append(number)
+                bad.append(line_number)
                 continue
-            if isinstance(record, dict):
+            # Only training steps make curves; other kinds (e.g. "sft") are logged apart.
+            if isinstance(record, dict) and record.get("kind", "train") == "train":
                 records.append(flatten(record))
-            else:
-                bad.append(number)
+            elif not isinstance(record, dict):
+                bad.append(line_number)
     if bad:
         notes.append(f"{path.name}: skipped {len(bad)} unreadable line(s) (first: {bad[0]})")
     return records
@@ -121,7 +127,46 @@ def read_run(directory: str | Path) -> RunFiles:
         data = _read_json(candidate, notes)
         if "success" in data:
             evaluations[candidate.name] = data
-    return RunFiles(path, tuple(metrics), summary, config, evaluations, tuple(notes))
+    steps = step_success(path / TRACES_DIR, notes)
+    return RunFiles(path, tuple(metrics), summary, config, evaluations, steps, tuple(notes))
+
+
+def step_success(store: Path, notes: list[str]) -> tuple[tuple[int, float, float, float, int],
+                                                         ...]:
+    """Training success per policy version, with a bootstrap interval over tasks.
+
+    Read from the attempts themselves (hidden-test verdict and audit, as in an evaluation),
+    so the interval treats the samples of one task as the correlated samples they are.
+    """
+    if not store.is_dir():
+        notes.append(f"no trace store at {TRACES_DIR}/: training curves have no interval")
+        return ()
+    from tracerl.eval.stats import bootstrap_ci
+    from tracerl.eval.summary import succeeded
+    from tracerl.trace.schema import Role
+    from tracerl.trace.store import read_attempts
+
+    try:
+        attempts = read_attempts(store)
+    except (OSError, ValueError) as error:
+        notes.append(f"{TRACES_DIR}/: could not be read ({error})")
+        return ()
+    by_version: dict[int, dict[str, list[float]]] = {}
+    for attempt in attempts:
+        version = next((seg.policy_version for f in attempt.fragments for t in f.turns
+                        for seg in t.segments
+                        if seg.role is Role.ACTION and seg.policy_version is not None), None)
+        if version is None:
+            continue
+        tasks = by_version.setdefault(int(version), {})
+        tasks.setdefault(attempt.task_id, []).append(1.0 if succeeded(attempt) else 0.0)
+    out = []
+    for version in sorted(by_version):
+        per_task = list(by_version[version].values())
+        count = sum(len(s) for s in per_task)
+        low, high = bootstrap_ci(per_task, seed=version, resamples=1000)
+        out.append((version, sum(sum(s) for s in per_task) / count, low, high, count))
+    return tuple(out)
 
 
 def number(value: Any) -> float | None:
