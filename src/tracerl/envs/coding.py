@@ -29,6 +29,7 @@ from tracerl.envs.faults import FaultConfig, FaultInjector, FaultKind
 from tracerl.envs.sandbox import Sandbox
 from tracerl.envs.tasks import Task, write_files
 from tracerl.envs.tools import (
+    TOOL_SCHEMAS,
     PathError,
     Workspace,
     failure_excerpt,
@@ -194,6 +195,11 @@ class CodingEnv(gym.Env[str, str]):
         raise ValueError(f"no such tool {name!r}")  # parse_tool_call lets none through
 
     # -- scoring --------------------------------------------------------------------------
+
+    @property
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """The tools' JSON schemas (OpenAI function format), for ``apply_chat_template(tools=...)``."""
+        return [dict(schema) for schema in TOOL_SCHEMAS]
 
     def verify(self) -> VerifyResult:
         """Score the current files with the hidden tests (protected files restored)."""

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from tracerl.rollout.collector import Collector, CollectorConfig, CollectResult
+from tracerl.rollout.compaction import (
+    CompactionConfig,
+    PolicySummarizer,
+    Summarizer,
+    TemplateSummarizer,
+)
 from tracerl.rollout.policy_hf import Completion, FinishReason, HFPolicy
 from tracerl.rollout.sampling import (
     LogprobProcessing,
@@ -12,11 +19,18 @@ from tracerl.rollout.sampling import (
 )
 
 __all__ = [
+    "CollectResult",
+    "Collector",
+    "CollectorConfig",
+    "CompactionConfig",
     "Completion",
     "FinishReason",
     "HFPolicy",
     "LogprobProcessing",
+    "PolicySummarizer",
     "SamplingParams",
+    "Summarizer",
+    "TemplateSummarizer",
     "logprobs_from_logits",
     "processed_logprobs",
     "sequence_logprobs",
