@@ -95,7 +95,7 @@ def policy(tasks: list[Any]) -> HFPolicy:
 def config(**changes: Any) -> CollectorConfig:
     settings: dict[str, Any] = dict(sampling=SAMPLING, tools=TOOLS, max_turns=2,
                                     max_concurrent=4, env_workers=4, seed=5,
-                                    handle_signals=False)
+                                    handle_signals=False, verify_truncated=False)
     return CollectorConfig(**{**settings, **changes})
 
 
@@ -131,7 +131,7 @@ def test_killed_actor_ends_its_attempts_as_tool_error_and_the_run_goes_on(
     with RayEnvPool(make_env, num_hosts=2, env_concurrency=2) as pool, \
             TraceStore(tmp_path / "store", fsync=False) as store:
         collector = Collector(policy, pool.make_env, store,
-                              config(max_concurrent=2, env_workers=2))
+                              config(max_concurrent=1, env_workers=1))
         killed: list[int] = []
 
         def kill_the_slow_host() -> None:
@@ -149,22 +149,22 @@ def test_killed_actor_ends_its_attempts_as_tool_error_and_the_run_goes_on(
 
         killer = threading.Thread(target=kill_the_slow_host, daemon=True)
         killer.start()
-        result = collector.collect(tasks, 2, run_id="kill")
+        # One attempt at a time: the slow task's comes first and is killed; the next starts
+        # after the kill, on the replacement host.
+        result = collector.collect(tasks, 1, run_id="kill")
         killer.join(timeout=5)
     assert killed, "the slow step never started"
     assert pool.replaced >= 1
     # Every attempt is recorded: the slow task's on the killed actor as a tool error ...
     attempts = {a.attempt_id: a for a in read_attempts(tmp_path / "store")}
-    assert len(attempts) == len(result.attempts) == 4
-    slow = [a for a in attempts.values() if a.task_id == tasks[0].id]
-    assert any(a.end_reason is EndReason.TOOL_ERROR and "died" in a.metadata["error"]
-               for a in slow)
-    for attempt in attempts.values():
-        if attempt.end_reason is EndReason.TOOL_ERROR:
-            assert attempt.reward is None  # never scored as the policy's failure
-    # ... and the run went on: attempts of other tasks finished on the replacement host.
-    others = [a for a in attempts.values() if a.task_id != tasks[0].id]
-    assert any(a.end_reason is not EndReason.TOOL_ERROR for a in others)
+    assert len(attempts) == len(result.attempts) == 2
+    (slow,) = [a for a in attempts.values() if a.task_id == tasks[0].id]
+    assert slow.end_reason is EndReason.TOOL_ERROR and "died" in slow.metadata["error"]
+    assert slow.reward is None  # never scored as the policy's failure
+    # ... and the run went on: the next attempt ran on the replacement host.
+    (other,) = [a for a in attempts.values() if a.task_id != tasks[0].id]
+    assert other.end_reason is not EndReason.TOOL_ERROR
+    assert other.costs.turns >= 1
 
 
 def test_pool_refuses_bad_sizes(ray_session: None, tasks: list[Any]) -> None:

@@ -43,7 +43,7 @@ def fit_tool_caller() -> HFPolicy:
         hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_positions=256))
     policy = HFPolicy(model, tokenizer)
     prompt = policy.chat_prompt(USER, tools=TOOLS)
-    target = tokenizer.encode(TOOL_CALL, add_special_tokens=False) + [tokenizer.eos_token_id]
+    target = [*tokenizer.encode(TOOL_CALL, add_special_tokens=False), tokenizer.eos_token_id]
     inputs, labels = torch.tensor([prompt + target]), torch.tensor(target)
     optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
     model.train()

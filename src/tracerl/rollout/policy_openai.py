@@ -73,6 +73,9 @@ class OpenAIPolicyConfig:
     """How sampled token ids come back (see ``TokenIdsMode``)."""
     engine: str = "vllm"
     """Engine name stamped on the samples (``vllm``, ``sglang``, ``tracerl``)."""
+    context_length: int | None = None
+    """The served model's context (``--max-model-len``), for the collector's budget; None:
+    unknown, the server refuses prompts that do not fit."""
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -85,6 +88,8 @@ class OpenAIPolicyConfig:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"context_length must be >= 1 or None, got {self.context_length}")
         if self.token_ids not in ("tokens", "field"):
             raise ValueError(f"token_ids must be 'tokens' or 'field', got {self.token_ids!r}")
 
@@ -131,6 +136,8 @@ class OpenAIPolicy:
         """Engine name stamped on the segments this policy produces."""
         self.policy_version: int = policy_version
         """Version of the served weights; whoever syncs weights to the server bumps it."""
+        self.context_length: int | None = config.context_length
+        """Longest prompt + completion the server accepts, when known."""
         self._openai = openai
         self._client = openai.OpenAI(base_url=config.base_url, api_key=config.api_key,
                                      timeout=config.timeout, max_retries=config.max_retries)
@@ -152,11 +159,13 @@ class OpenAIPolicy:
             raise ValueError("decode needs a tokenizer (tokenizer=...)")
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 row_seeds: Sequence[int] | None = None) -> list[Completion]:
         """One completion per prompt (token ids), in order; one request per prompt.
 
-        With ``params.seed`` set, prompt ``i`` is sent with seed ``seed + i`` so that its sample
-        does not depend on which other prompts share the call.
+        Each request carries its own seed: ``row_seeds[i]`` when given (the collector's
+        per-attempt seeds), else ``params.seed + i`` when ``params.seed`` is set, so a prompt's
+        sample does not depend on which other prompts share the call.
         """
         if isinstance(prompts, (str, bytes)) or not prompts:
             raise ValueError("prompts must be a non-empty list of token-id lists")
@@ -165,7 +174,14 @@ class OpenAIPolicy:
             if isinstance(prompt, (str, bytes)) or not prompt:
                 raise ValueError(f"prompt {index} must be a non-empty list of token ids")
             checked.append([int(t) for t in prompt])
-        seeds = [None if params.seed is None else params.seed + i for i in range(len(checked))]
+        seeds: list[int | None]
+        if row_seeds is not None:
+            if len(row_seeds) != len(checked):
+                raise ValueError(f"row_seeds has {len(row_seeds)} seeds for {len(checked)} prompts")
+            seeds = [int(s) for s in row_seeds]
+        else:
+            seeds = [None if params.seed is None else params.seed + i
+                     for i in range(len(checked))]
         workers = min(self.config.concurrency, len(checked))
         if workers == 1:
             return [self._one(checked[0], params, seeds[0])]
