@@ -312,6 +312,7 @@ class Trainer:
         filtered = Counter[str]()
         used: set[str] = set()
         seconds: dict[str, float] = defaultdict(float)
+        reused = 0
         for round_index in range(1 + (dynamic.max_refills if dynamic.refill else 0)):
             missing = rollout.tasks_per_step - len({a.group_id for a in kept})
             if missing <= 0:
@@ -325,6 +326,7 @@ class Trainer:
                 group = stored.get(f"{run_id}:{task.id}")
                 if group is not None and len(group) == rollout.group_size:
                     attempts.extend(group)
+                    reused += 1
                 else:
                     fresh.append(task)
             if fresh:
@@ -347,7 +349,8 @@ class Trainer:
                 break
         self.state.totals["filtered_groups"] = (self.state.totals.get("filtered_groups", 0.0)
                                                 + sum(filtered.values()))
-        metrics: dict[str, Any] = {"dynamic": {"filtered_all_zero": filtered["all_zero"],
+        metrics: dict[str, Any] = {"dynamic": {"reused_groups": reused,
+                                               "filtered_all_zero": filtered["all_zero"],
                                                "filtered_all_one": filtered["all_one"],
                                                "rounds": len(used) and round_index + 1},
                                    "time": {"generation_seconds": seconds["generation"]}}
@@ -552,6 +555,11 @@ class Trainer:
         self.step_seconds += step_seconds
         self.metrics.write(self.state.step, metrics)
         self.last_metrics = metrics
+        self.log(f"step {self.state.step}: reward {metrics['reward']['mean']:.3f}, "
+                 f"{metrics['attempts']['in_batch']} attempts trained on, "
+                 f"turns {metrics['horizon']['turns']:.1f}, {step_seconds:.0f}s "
+                 f"(collect {self.timings['collect']:.0f}s, update "
+                 f"{self.timings['update']:.0f}s so far)")
         self.state.step += 1
         last = self.state.step >= self.config.steps
         if last or self.state.step % self.config.checkpoint_every == 0:
@@ -618,6 +626,9 @@ class Trainer:
         with self.phase("evaluate"):
             result = self.evaluate(label)
         self.timings[f"evaluate_{label}"] = time.perf_counter() - started
+        self.log(f"evaluation {label}: sampled {result['sampled']['success']:.3f}"
+                 + (f", greedy {result['greedy']['success']:.3f}" if "greedy" in result else "")
+                 + f" ({self.timings[f'evaluate_{label}']:.0f}s)")
         return result
 
     def write_summary(self, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
