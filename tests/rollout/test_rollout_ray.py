@@ -172,3 +172,30 @@ def test_pool_refuses_bad_sizes(ray_session: None, tasks: list[Any]) -> None:
         RayEnvPool(functools.partial(CodingEnv, tasks), num_hosts=0)
     with pytest.raises(ValueError, match="env_concurrency"):
         RayEnvPool(functools.partial(CodingEnv, tasks), env_concurrency=0)
+
+
+@pytest.mark.slow
+def test_policy_in_an_actor_samples_as_locally(
+    ray_session: None, policy: HFPolicy, tmp_path: Path
+) -> None:
+    from tracerl.models.tiny import load_tiny, save_tiny
+    from tracerl.rollout.ray_backend import RayPolicy
+
+    save_tiny(policy.model, policy.tokenizer, tmp_path / "model")
+
+    def make_policy(path: str) -> HFPolicy:
+        model, tokenizer = load_tiny(path)
+        return HFPolicy(model, tokenizer)
+
+    remote = RayPolicy(functools.partial(make_policy, str(tmp_path / "model")), num_cpus=0)
+    prompt = policy.chat_prompt([{"role": "user", "content": "Fix the bug."}])
+    assert remote.chat_prompt([{"role": "user", "content": "Fix the bug."}]) == prompt
+    assert remote.engine == "hf" and remote.context_length == policy.context_length
+    got = remote.generate([prompt, prompt], SAMPLING, row_seeds=[1, 2])
+    want = policy.generate([prompt, prompt], SAMPLING, row_seeds=[1, 2])
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    ray.kill(remote.actor)
+    from tracerl.rollout.ray_backend import PolicyActorDied
+
+    with pytest.raises(PolicyActorDied):
+        remote.generate([prompt], SAMPLING)

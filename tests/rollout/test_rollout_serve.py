@@ -271,3 +271,40 @@ def test_hermes_parsing_keeps_unparseable_calls_as_content() -> None:
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("x", {"a": 1})]
     broken = '<tool_call>{"name": "x", "arguments": </tool_call>'
     assert parse_hermes_tool_calls(broken) == (broken, [])
+
+
+@pytest.mark.slow
+def test_cli_serves_and_writes_open_sessions_on_sigint(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from tracerl.models.tiny import save_tiny
+
+    tokenizer = train_tokenizer(["Fix the bug.", "hello"] * 10, vocab_size=300)
+    model = build_tiny_model(tokenizer, TinyModelConfig(
+        hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_positions=128))
+    save_tiny(model, tokenizer, tmp_path / "model")
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tracerl", "serve", "--model", str(tmp_path / "model"),
+         "--store", str(tmp_path / "store"), "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0, timeout=30)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                assert [m.id for m in client.models.list().data] == ["model"]
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline and process.poll() is None
+                time.sleep(0.2)
+        client.chat.completions.create(model="model", messages=USER, max_tokens=3,
+                                       user="still-open")
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+    (attempt,) = read_attempts(tmp_path / "store")
+    assert (attempt.attempt_id, attempt.end_reason) == ("still-open", EndReason.CANCELLED)
