@@ -4,6 +4,12 @@ Claim: >= 5 M tokens/s written and >= 20 M tokens/s read on 2 cores, at <= 12 by
 including behavior logprobs. Anchor, measured in the same run: JSON lines with a per-record
 checksum (the other format the design considered, and what most RL loggers write).
 
+Each rate is given twice: per wall-clock second, and per CPU second of this process (all its
+threads). On a machine shared with other work, wall time includes waiting for a core; CPU time
+is what the store itself costs. The headline read is ``read_attempts``: every attempt rebuilt
+as records whose segments hold their role, token ids and logprobs. ``read_token_batches`` is
+the columnar path for trainers (flat arrays and offsets, no records).
+
     python bench/traces.py                 # 10,000 attempts x 2,000 tokens
     python bench/traces.py --attempts 1000 # quicker
 """
@@ -23,7 +29,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from tracerl.trace import SEGMENTS_DIR, Attempt, Role, TraceStore, read_attempts, read_table
+from tracerl.trace import (
+    SEGMENTS_DIR,
+    Attempt,
+    Role,
+    TraceStore,
+    read_attempts,
+    read_table,
+    read_token_batches,
+)
 from tracerl.trace.synthetic import synthetic_attempt
 
 
@@ -31,12 +45,26 @@ def directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and f.name != "LOCK")
 
 
-def timed_write(path: Path, attempts: list[Attempt], fsync: bool, batch: int) -> float:
-    start = time.perf_counter()
-    with TraceStore(path, fsync=fsync, seal_every=1000) as store:
+class Clock:
+    """Wall and process-CPU seconds of a block."""
+
+    def __enter__(self) -> Clock:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self.wall
+        self.cpu = time.process_time() - self.cpu
+
+
+def timed_write(path: Path, attempts: list[Attempt], fsync: bool, batch: int,
+                compression: str = "lz4") -> Clock:
+    # Timed until close returns: every segment sealed, nothing left in the background.
+    with Clock() as clock, TraceStore(path, fsync=fsync, seal_every=1000,
+                                      compression=compression) as store:  # type: ignore[arg-type]
         for i in range(0, len(attempts), batch):
             store.append_many(attempts[i : i + batch])
-    return time.perf_counter() - start
+    return clock
 
 
 def jsonl_write(path: Path, attempts: list[Attempt]) -> float:
@@ -100,53 +128,75 @@ def main() -> int:
         timed_write(root / "warm", attempts[:50], fsync=False, batch=1)
         read_attempts(root / "warm")
 
-        rows = []
+        rows: list[tuple[str, float, float]] = []
         for label, fsync, batch in (
             ("append, written to OS (survives kill -9)", False, 1),
             ("append, fsync each (survives power loss)", True, 1),
             ("append_many(64), fsync each call", True, 64),
         ):
             path = root / label.split(",")[0].replace(" ", "_") / str(fsync) / str(batch)
-            seconds = timed_write(path, attempts, fsync=fsync, batch=batch)
-            rows.append((f"write: {label}", tokens / seconds))
+            clock = timed_write(path, attempts, fsync=fsync, batch=batch)
+            rows.append((f"write: {label}", tokens / clock.wall, tokens / clock.cpu))
+            if not fsync:
+                shutil.rmtree(path)  # keep the disk footprint of the bench small
         store = path
         size = directory_bytes(store)
+        zstd = root / "zstd"
+        clock = timed_write(zstd, attempts, fsync=False, batch=1, compression="zstd")
+        rows.append(("write: append, zstd segments", tokens / clock.wall, tokens / clock.cpu))
+        zstd_size = directory_bytes(zstd)
 
-        start = time.perf_counter()
-        loaded = read_attempts(store)
-        read_objects = time.perf_counter() - start
+        with Clock() as clock:
+            loaded = read_attempts(store)
+        rows.append(("read: Attempt records (read_attempts)", tokens / clock.wall,
+                     tokens / clock.cpu))
         assert len(loaded) == len(attempts) and loaded[-1] == attempts[-1]
-        start = time.perf_counter()
-        table = read_table(store)
-        read_arrow = time.perf_counter() - start
-        start = time.perf_counter()
-        raw = pq.read_table(store / SEGMENTS_DIR, columns=["token_ids", "action_logprobs"])
-        read_parquet = time.perf_counter() - start
+        with Clock() as clock:
+            read_attempts(zstd)
+        rows.append(("read: Attempt records, zstd segments", tokens / clock.wall,
+                     tokens / clock.cpu))
+        with Clock() as clock:
+            batches = list(read_token_batches(store))
+        rows.append(("read: token batches (read_token_batches)", tokens / clock.wall,
+                     tokens / clock.cpu))
+        assert sum(len(b) for b in batches) == len(attempts)
+        with Clock() as clock:
+            table = read_table(store)
+        rows.append(("read: Arrow table, all columns (read_table)", tokens / clock.wall,
+                     tokens / clock.cpu))
+        with Clock() as clock:
+            raw = pq.read_table(store / SEGMENTS_DIR, columns=["token_ids", "action_logprobs"])
+        rows.append(("read: pyarrow, token + logprob columns", tokens / clock.wall,
+                     tokens / clock.cpu))
         assert table.num_rows == raw.num_rows == len(attempts)
-        rows.append(("read: Attempt records (read_attempts)", tokens / read_objects))
-        rows.append(("read: Arrow table, all columns (read_table)", tokens / read_arrow))
-        rows.append(("read: pyarrow, token + logprob columns", tokens / read_parquet))
 
         anchor = attempts[: args.anchor_attempts]
         anchor_tokens = sum(len(s.token_ids) for a in anchor for f in a.fragments
                             for t in f.turns for s in t.segments)
         jsonl = root / "anchor.jsonl"
-        anchor_write = anchor_tokens / jsonl_write(jsonl, anchor)
-        anchor_read = anchor_tokens / jsonl_read(jsonl)
+        with Clock() as clock:
+            jsonl_write(jsonl, anchor)
+        anchor_write = (anchor_tokens / clock.wall, anchor_tokens / clock.cpu)
+        with Clock() as clock:
+            jsonl_read(jsonl)
+        anchor_read = (anchor_tokens / clock.wall, anchor_tokens / clock.cpu)
         anchor_bytes = jsonl.stat().st_size / anchor_tokens
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    print(f"\n{'':48s} {'M tokens/s':>11s} {'x JSONL':>8s}")
-    for label, rate in rows:
+    print(f"\n{'M tokens/s':>60s} {'x JSONL':>8s}  {'M tokens/CPU-s':>15s} {'x JSONL':>8s}")
+    for label, wall, cpu in rows:
         base = anchor_write if label.startswith("write") else anchor_read
-        print(f"{label:48s} {rate / 1e6:11.2f} {rate / base:8.1f}")
-    print(f"{'anchor: JSON lines + crc32, write':48s} {anchor_write / 1e6:11.2f}")
-    print(f"{'anchor: JSON lines + crc32, read':48s} {anchor_read / 1e6:11.2f}")
+        print(f"{label:48s} {wall / 1e6:11.2f} {wall / base[0]:8.1f}  {cpu / 1e6:15.2f} "
+              f"{cpu / base[1]:8.1f}")
+    for label, rate in (("write", anchor_write), ("read", anchor_read)):
+        print(f"{'anchor: JSON lines + crc32, ' + label:48s} {rate[0] / 1e6:11.2f} {'':8s}  "
+              f"{rate[1] / 1e6:15.2f}")
     per_token = size / tokens
     raw_ids = 4.0
     raw_with_logprobs = 4.0 + 4.0 * actions / tokens
-    print(f"\nbytes per token: {per_token:.2f} on disk (sealed Parquet, zstd), "
+    print(f"\nbytes per token: {per_token:.2f} on disk (sealed Parquet, lz4; zstd: "
+          f"{zstd_size / tokens:.2f}), "
           f"{per_token / raw_ids:.2f}x raw int32 ids ({raw_ids:.0f} B), "
           f"{per_token / raw_with_logprobs:.2f}x raw ids + float32 logprobs "
           f"({raw_with_logprobs:.1f} B); JSON lines: {anchor_bytes:.1f} B")

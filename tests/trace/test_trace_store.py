@@ -41,6 +41,7 @@ def test_round_trip_through_log_and_segments(tmp_path: Path) -> None:
     with TraceStore(tmp_path, seal_every=5) as store:
         for a in attempts:
             assert store.append(a) is True
+        store.wait_for_seal()  # sealing runs in the background
         assert len(list((tmp_path / SEGMENTS_DIR).glob("*.parquet"))) == 2
         # Two segments sealed, two attempts still only in the log: both are read.
         assert read_attempts(tmp_path) == attempts

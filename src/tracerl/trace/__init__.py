@@ -5,6 +5,7 @@ See ``docs/traces.md``. This package knows nothing of models: it records, stores
 
 from __future__ import annotations
 
+from tracerl.trace.columnar import TokenBatch
 from tracerl.trace.pack import PackedBatch, PackReport, RowLayout, SegmentLayout, pack, unpack
 from tracerl.trace.schema import (
     ATTEMPT_ENDINGS,
@@ -35,6 +36,7 @@ from tracerl.trace.store import (
     read_attempt,
     read_attempts,
     read_table,
+    read_token_batches,
     scan_store,
 )
 
@@ -58,6 +60,7 @@ __all__ = [
     "SegmentLayout",
     "StoreScan",
     "Timings",
+    "TokenBatch",
     "TraceStore",
     "TraceStoreWarning",
     "Treatment",
@@ -69,6 +72,7 @@ __all__ = [
     "read_attempt",
     "read_attempts",
     "read_table",
+    "read_token_batches",
     "scan_store",
     "unpack",
     "validate_treatments",

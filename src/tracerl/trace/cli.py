@@ -9,7 +9,13 @@ import sys
 from collections import Counter, defaultdict
 from typing import Any
 
-from tracerl.trace.codec import decode_attempt, end_reason, role_counts
+from tracerl.trace.codec import (
+    NO_VERSION,
+    decode_attempt,
+    end_reason,
+    layout_segments,
+    role_counts,
+)
 from tracerl.trace.schema import ROLES, Role, check_attempt
 from tracerl.trace.store import scan_store
 
@@ -56,15 +62,17 @@ def store_stats(directory: str) -> dict[str, Any]:
     tool_seconds = 0.0
     for record in scan.records:
         h = record.header
-        endings[end_reason(h).value] += 1
-        counts = role_counts(h)
+        endings[end_reason(record.layout).value] += 1
+        counts = role_counts(record.layout)
         for role, n in counts.items():
             tokens_by_role[role.value] += n
         horizons.append(sum(counts.values()))
-        fragments.append(len(h["fragments"]))
-        for spec in h["segments"]:
-            if ROLES[spec[0]] is Role.ACTION:
-                versions[spec[2]] += spec[1]
+        fragments.append(int(record.layout[0]))
+        segs = layout_segments(record.layout)
+        for role, n, version in zip(segs[0].tolist(), segs[1].tolist(), segs[3].tolist(),
+                                    strict=True):
+            if ROLES[role] is Role.ACTION and version != NO_VERSION:
+                versions[version] += n
         gen, seconds, calls, n_turns = h["costs"]
         generated += gen
         tool_seconds += seconds
@@ -143,7 +151,8 @@ def validation_errors(directory: str) -> tuple[int, list[str]]:
     for record in scan.records:
         name = record.header.get("id")
         try:
-            attempt = decode_attempt(record.header, record.tokens, record.logprobs)
+            attempt = decode_attempt(record.header, record.layout, record.tokens,
+                                     record.logprobs)
         except (ValueError, KeyError, IndexError, TypeError) as error:
             errors.append(f"attempt {name!r}: schema: {error}")
             continue
