@@ -308,3 +308,70 @@ def test_cli_serves_and_writes_open_sessions_on_sigint(tmp_path: Path) -> None:
         assert process.wait(timeout=60) == 0
     (attempt,) = read_attempts(tmp_path / "store")
     assert (attempt.attempt_id, attempt.end_reason) == ("still-open", EndReason.CANCELLED)
+
+
+def test_sampled_tokens_stand_for_an_assistant_message_that_renders_differently(
+    policy: HFPolicy
+) -> None:
+    from tracerl.rollout.serve_trace import Sample, normalize_message
+    from tracerl.trace import SamplingParams as TraceSampling
+
+    tokenizer = policy.tokenizer
+    recorder = SessionRecorder(None)
+
+    def render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return str(tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt))
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    messages = [normalize_message(m) for m in USER]
+    prompt, prompt_text = recorder.chat_prompt("s", messages, render, encode)
+    # The model wrote compact JSON; the template renders the returned call with spaces.
+    sampled = [*encode('<tool_call>{"name":"run_tests","arguments":{}}</tool_call>'),
+               tokenizer.eos_token_id]
+    returned = normalize_message({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "run_tests", "arguments": "{}"}}]})
+    recorder.record("s", prompt, Sample(sampled, [-0.5] * len(sampled), "stop", 0,
+                                        TraceSampling(temperature=1.0), "hf"),
+                    prompt_text=prompt_text, sampled_text=tokenizer.decode(sampled),
+                    messages=[*messages, returned])
+    follow_up = [*messages, returned, normalize_message(
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"})]
+    assert not render(follow_up, True).startswith(prompt_text + tokenizer.decode(sampled))
+    next_prompt, _ = recorder.chat_prompt("s", follow_up, render, encode)
+    context = prompt + sampled
+    assert next_prompt[: len(context)] == context  # the sampled tokens, not a re-rendering
+    assert tokenizer.decode(next_prompt[len(context):]) == "<|tool|>ok<|end|><|assistant|>"
+
+
+def test_concurrent_sessions_keep_separate_traces(
+    client: Any, served: tuple[RunningServer, TraceStore, Path], policy: HFPolicy
+) -> None:
+    def agent(name: str) -> None:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": f"task {name}"}]
+        for _ in range(2):
+            reply = client.chat.completions.create(model="tiny", messages=messages,
+                                                   max_tokens=4, user=name)
+            messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "user", "content": "go on"}]
+        client.post(f"/sessions/{name}/finish", cast_to=object, body={"reward": 0.0})
+
+    names = [f"concurrent-{i}" for i in range(4)]
+    threads = [threading.Thread(target=agent, args=(n,)) for n in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    attempts = {a.attempt_id: a for a in read_attempts(served[2]) if a.attempt_id in names}
+    assert sorted(attempts) == names
+    for name, attempt in attempts.items():
+        # Two turns each, and every prompt is this session's own conversation. (A turn whose
+        # sampled text held a special token the agent's copy drops would start a second
+        # fragment: the context changed. Untrained samples may do that, so it is allowed.)
+        assert sum(len(f.turns) for f in attempt.fragments) == 2
+        for fragment in attempt.fragments:
+            first = fragment.turns[0].segments[0]
+            assert first.role is Role.PROMPT
+            assert f"task {name}" in policy.tokenizer.decode(first.token_ids.tolist())
