@@ -19,6 +19,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tracerl.envs.cli",
     "tracerl.eval.cli",
     "tracerl.rollout.cli",
+    "tracerl.train.cli",
 )
 
 
