@@ -95,7 +95,7 @@ def run_row(run: RunFiles) -> RunRow:
         success_before=number(summary.get("heldout_success_before")),
         greedy=number(summary.get("heldout_greedy_after")),
         rollouts=rollouts,
-        terminated=endings.get("terminated") if endings else None,
+        terminated=endings.get("terminated", 0.0) if endings else None,
         generated_tokens=total(metrics, TOKEN_KEYS) if metrics else number(
             summary.get("generated_tokens")),
         tool_seconds=total(metrics, TOOL_KEYS) if metrics else number(summary.get("tool_seconds")),
@@ -144,6 +144,8 @@ def _cell(row: RunRow, name: str) -> str:
         return f"{value:.3f}{interval}"
     if name in ("success_before", "greedy"):
         return f"{value:.3f}"
+    if name in ("rollouts", "terminated", "generated_tokens"):
+        return f"{value:,.0f}"  # counts
     if isinstance(value, float):
         return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.1f}"
     return str(value)

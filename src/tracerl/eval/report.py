@@ -137,7 +137,9 @@ def learning_curves(run: RunFiles) -> Plot:
 def _heldout_points(run: RunFiles) -> list[tuple[str, float, float, float, float]]:
     points = []
     steps = [number(r.get("step")) for r in run.metrics]
-    last = max((s for s in steps if s is not None), default=float(len(run.metrics)))
+    # Step k's attempts were sampled by policy version k; the final policy comes after the
+    # last recorded step's update.
+    last = max((s for s in steps if s is not None), default=float(len(run.metrics)) - 1) + 1
     for when, step in (("before", 0.0), ("after", last)):
         value = number(run.summary.get(f"heldout_success_{when}"))
         ci = run.summary.get(f"heldout_ci95_{when}")
