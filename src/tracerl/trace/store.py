@@ -9,14 +9,16 @@ A store is a directory::
     DIR/LOCK                       held (flock) by the one writer
 
 Each log record is framed as ``magic (4) | payload length (u32) | payload crc32 (u32) |
-frame crc32 (u32) | payload``, little-endian; the payload is a JSON header followed by the
-attempt's token ids (int32) and action logprobs (float32) as raw bytes (see ``codec``). An
+frame crc32 (u32) | payload``, little-endian; the payload is a JSON header, the attempt's
+layout (int64), token ids (int32) and logprobs (float32) as raw bytes (see ``codec``). An
 attempt is durable when :meth:`TraceStore.append` returns: written to the OS (survives the
 process being killed), and with ``fsync=True`` also on disk (survives power loss). A record
 whose frame or payload checksum fails is never decoded: readers skip it with a warning and
-resynchronise on the next magic. Sealing writes a Parquet segment to a temporary name, fsyncs
-it, renames it into place and only then removes the log, so a crash at any point leaves every
-attempt readable exactly once (a log whose segment already exists is redundant and ignored).
+resynchronise on the next magic. Sealing closes the log, starts the next one, and writes the
+closed log as the segment of the same number in a background thread: to a temporary name,
+fsynced, renamed into place, and only then the log removed, so a crash at any point leaves
+every attempt readable exactly once (a log whose segment already exists is redundant and
+ignored; a writer that finds two logs seals the older one first).
 pandas, pyarrow and datasets read ``DIR/segments`` directly.
 """
 
