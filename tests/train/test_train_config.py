@@ -1,0 +1,88 @@
+"""The config tree: strict loading, overrides, validation before compute, help text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tracerl.train.config import (
+    TrainConfig,
+    config_from_dict,
+    describe_config,
+    dump_config,
+    load_config,
+    parse_override,
+)
+
+RECIPES = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_every_recipe_loads(path: Path) -> None:
+    assert isinstance(load_config(path), TrainConfig)
+
+
+def test_the_three_recipes_exist() -> None:
+    assert {"demo.yaml", "grpo.yaml", "ppo_critic.yaml"} <= {p.name for p in RECIPES}
+    ppo = load_config(RECIPES[[p.name for p in RECIPES].index("ppo_critic.yaml")])
+    assert ppo.algorithm.estimator == "gae" and ppo.critic.kind != "none"
+    assert ppo.rollout.compact_at_tokens is not None and ppo.update.loss_level == "token"
+
+
+def test_overrides_are_typed() -> None:
+    config = load_config(None, ["update.lr=3e-4", "rollout.group_size=4",
+                                "algorithm.scale=none", "update.clip_high=null"])
+    assert config.update.lr == 3e-4 and config.rollout.group_size == 4
+    assert config.algorithm.scale == "none" and config.update.clip_high is None
+    assert parse_override("max_seconds=10") == ("max_seconds", 10)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("update.lrr=1", "update.lrr: unknown key; UpdateConfig accepts"),
+    ("nope=1", "nope: unknown key"),
+    ("update.lr=fast", "update.lr: got 'fast' (str), accepts float"),
+    ("steps=1.5", "steps: got 1.5 (float), accepts int"),
+    ("tensorboard=1", "tensorboard: got 1 (int), accepts bool"),
+    ("algorithm.estimator=ppo", "algorithm.estimator: got 'ppo', accepts one of 'grpo'"),
+    ("update=3", "update: got 3, accepts a mapping"),
+])
+def test_bad_keys_and_types_are_refused_by_name(override: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, [override])
+
+
+def test_critic_estimator_without_critic_is_refused() -> None:
+    with pytest.raises(ValueError, match="algorithm.estimator: 'gae' needs a critic"):
+        config_from_dict({"algorithm": {"estimator": "gae"}})
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "gigpo"])
+def test_groups_of_one_are_refused_for_group_methods(estimator: str) -> None:
+    with pytest.raises(ValueError, match="rollout.group_size: .* at least 2, got 1"):
+        config_from_dict({"algorithm": {"estimator": estimator}, "rollout": {"group_size": 1}})
+    # A critic method may use single attempts.
+    config_from_dict({"algorithm": {"estimator": "gae"}, "critic": {"kind": "value_head"},
+                      "rollout": {"group_size": 1}})
+
+
+def test_other_cross_field_rules() -> None:
+    with pytest.raises(ValueError, match="update.kl_in"):
+        config_from_dict({"update": {"kl_coef": 0.1, "kl_in": "reward"}})
+    with pytest.raises(ValueError, match="critic.kind"):
+        config_from_dict({"critic": {"kind": "value_head"}})
+    with pytest.raises(ValueError, match="rollout.temperature"):
+        config_from_dict({"rollout": {"temperature": 0.0}})
+
+
+def test_dump_round_trips(tmp_path: Path) -> None:
+    config = load_config(None, ["update.lr=0.01", "rollout.system_prompt=hello"])
+    path = tmp_path / "c.yaml"
+    path.write_text(dump_config(config))
+    assert load_config(path) == config
+
+
+def test_every_field_has_help() -> None:
+    rows = describe_config()
+    assert len(rows) > 60
+    assert all(doc for _, _, doc in rows), [name for name, _, doc in rows if not doc]
