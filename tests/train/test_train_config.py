@@ -53,13 +53,13 @@ def test_bad_keys_and_types_are_refused_by_name(override: str, message: str) -> 
 
 
 def test_critic_estimator_without_critic_is_refused() -> None:
-    with pytest.raises(ValueError, match="algorithm.estimator: 'gae' needs a critic"):
+    with pytest.raises(ValueError, match=r"algorithm.estimator: 'gae' needs a critic"):
         config_from_dict({"algorithm": {"estimator": "gae"}})
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "gigpo"])
 def test_groups_of_one_are_refused_for_group_methods(estimator: str) -> None:
-    with pytest.raises(ValueError, match="rollout.group_size: .* at least 2, got 1"):
+    with pytest.raises(ValueError, match=r"rollout.group_size: .* at least 2, got 1"):
         config_from_dict({"algorithm": {"estimator": estimator}, "rollout": {"group_size": 1}})
     # A critic method may use single attempts.
     config_from_dict({"algorithm": {"estimator": "gae"}, "critic": {"kind": "value_head"},
@@ -67,11 +67,11 @@ def test_groups_of_one_are_refused_for_group_methods(estimator: str) -> None:
 
 
 def test_other_cross_field_rules() -> None:
-    with pytest.raises(ValueError, match="update.kl_in"):
+    with pytest.raises(ValueError, match=r"update\.kl_in"):
         config_from_dict({"update": {"kl_coef": 0.1, "kl_in": "reward"}})
-    with pytest.raises(ValueError, match="critic.kind"):
+    with pytest.raises(ValueError, match=r"critic\.kind"):
         config_from_dict({"critic": {"kind": "value_head"}})
-    with pytest.raises(ValueError, match="rollout.temperature"):
+    with pytest.raises(ValueError, match=r"rollout\.temperature"):
         config_from_dict({"rollout": {"temperature": 0.0}})
 
 
