@@ -323,12 +323,20 @@ class Trainer:
             attempts: list[Attempt] = []
             fresh: list[Task] = []
             for task in tasks:
-                group = stored.get(f"{run_id}:{task.id}")
-                if group is not None and len(group) == rollout.group_size:
+                group = _complete_group(stored, run_id, task.id, rollout.group_size)
+                if group is not None:
                     attempts.extend(group)
                     reused += 1
                 else:
                     fresh.append(task)
+            # A group a killed run left incomplete is collected again under a new id, so the
+            # store never holds two different attempts under one id; the partial one stays
+            # in the store, unused and counted.
+            retry = 0
+            while any(g.startswith(f"{run_id}-re{retry}:" if retry else f"{run_id}:")
+                      for g in stored):
+                retry += 1
+            run_id = f"{run_id}-re{retry}" if retry else run_id
             if fresh:
                 result = self.collector(fresh, temperature=rollout.temperature,
                                         seed=self.config.seed, store=self.store
@@ -707,6 +715,16 @@ def segmentation_report(batch: PackedBatch, mode: Any, constant: float | None
 
 def _strip(metrics: dict[str, float], prefix: str) -> dict[str, float]:
     return {k.removeprefix(prefix): v for k, v in metrics.items() if math.isfinite(v)}
+
+
+def _complete_group(stored: dict[str, list[Attempt]], run_id: str, task_id: str,
+                    size: int) -> list[Attempt] | None:
+    """A complete group of ``task_id`` stored under ``run_id`` or one of its retries."""
+    for group_id, members in sorted(stored.items()):
+        base, _, task = group_id.partition(":")
+        if task == task_id and base.split("-re")[0] == run_id and len(members) == size:
+            return members
+    return None
 
 
 def _by_group(attempts: Sequence[Attempt]) -> dict[str, list[Attempt]]:
