@@ -90,7 +90,12 @@ def wrong_fix(bad: str, good: str, rng: random.Random) -> str:
             if candidate not in (bad, good):
                 options.append(candidate)
     if not options:
-        return bad + " + 1" if not bad.endswith(":") else bad
+        # No operator or number to change (e.g. ``range(n):``): shift the last bracketed value.
+        close = good.rfind(")")
+        for shift in (" + 2", " - 2", " * 2"):
+            candidate = good[:close] + shift + good[close:] if close > 0 else good + shift
+            if candidate not in (bad, good):
+                options.append(candidate)
     return rng.choice(sorted(set(options)))
 
 
