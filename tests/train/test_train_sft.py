@@ -53,3 +53,17 @@ def test_recovery_demonstration_is_played_in_the_environment() -> None:
     after = supervised_finetune(model, [(ids, mask)], steps=30, batch_size=1, lr=3e-3, seed=0,
                                 pad_id=tokenizer.pad_token_id)
     assert after.final_loss < 0.5 * before.final_loss
+
+
+def test_renamed_copies_are_valid_tasks_with_fresh_names() -> None:
+    from tracerl.envs import Sandbox, validate_task
+    from tracerl.train.augment import module_name, renamed_copies
+
+    originals = generate_split("train", 0, 7)
+    copies = renamed_copies(originals, 1, seed=0)[7:]
+    sandbox = Sandbox()
+    for original, copy in zip(originals, copies, strict=True):
+        old, new = module_name(original), module_name(copy)
+        assert old != new and copy.id == f"{original.id}~r0"
+        assert old not in copy.instruction and f"test_{new}.py" in copy.files
+        assert validate_task(copy, sandbox).problems == ()

@@ -69,6 +69,9 @@ class TasksConfig:
     """Built-in train tasks to generate (ignored with ``train_file``)."""
     heldout_count: int = 48
     """Built-in held-out tasks to generate (ignored with ``heldout_file``)."""
+    renamed_copies: int = 0
+    """Renamed copies of each train task (function and module given fresh names), so a small
+    policy learns to copy names from what it reads instead of memorising the suite's."""
 
 
 @dataclass(frozen=True)
@@ -466,6 +469,8 @@ def validate(config: TrainConfig) -> None:
     for name, value in positive_ints.items():
         if value < 1:
             raise ValueError(f"{name}: must be >= 1, got {value}")
+    if config.tasks.renamed_copies < 0:
+        raise ValueError(f"tasks.renamed_copies: must be >= 0, got {config.tasks.renamed_copies}")
     if config.sft.steps < 0:
         raise ValueError(f"sft.steps: must be >= 0, got {config.sft.steps}")
     fractions: dict[str, float] = {"algorithm.gamma": a.gamma, "algorithm.gae_lambda": a.gae_lambda,

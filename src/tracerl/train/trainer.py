@@ -41,6 +41,7 @@ from tracerl.train.algorithms import (
     compute_advantages,
     group_outcome_metrics,
 )
+from tracerl.train.augment import renamed_copies
 from tracerl.train.config import TrainConfig, dump_config
 from tracerl.train.metrics import MetricsWriter, StepProgress
 from tracerl.train.sft import (
@@ -175,9 +176,14 @@ class Trainer:
         tasks = self.config.tasks
         source = tasks.train_file if split == "train" else tasks.heldout_file
         if source is not None:
-            return list(load_tasks(source))
-        count = tasks.train_count if split == "train" else tasks.heldout_count
-        return generate_split("train" if split == "train" else "heldout", tasks.suite_seed, count)
+            loaded = list(load_tasks(source))
+        else:
+            count = tasks.train_count if split == "train" else tasks.heldout_count
+            loaded = generate_split("train" if split == "train" else "heldout",
+                                    tasks.suite_seed, count)
+        if split == "train" and tasks.renamed_copies:
+            loaded = renamed_copies(loaded, tasks.renamed_copies, tasks.suite_seed)
+        return loaded
 
     def make_env_factory(self, tasks: Sequence[Task]) -> Callable[[], CodingEnv]:
         """A factory of fresh environments over ``tasks`` (one per attempt)."""
