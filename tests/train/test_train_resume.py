@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -56,6 +57,7 @@ def _weights(run_dir: Path) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+@pytest.mark.slow  # three short runs of the whole loop; `make test-slow`
 def test_killed_run_resumes_without_repeating_or_losing_an_update(tmp_path: Path) -> None:
     Trainer(load_config(_recipe(tmp_path, "straight"))).run()
 
