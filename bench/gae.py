@@ -3,6 +3,7 @@
 Compared in one run, on float32 [B, T] batches with agent-like action masks (a prompt, then
 alternating action and tool-output spans, then padding):
 
+* ``batch_gae`` writing into reused ``out=`` tensors (what a training loop does),
 * the plain per-step loop (``batch_gae_reference``, the usual ``for t in reversed(range(T))``),
 * verl's ``compute_gae_advantage_return`` when verl is importable (``make bench-gae`` runs this
   script in a separate environment that has it); verl whitens its advantages, so its
@@ -95,6 +96,10 @@ def measure_shape(
     r, v, m, boot = batch["rewards"], batch["values"], batch["mask"], batch["bootstrap"]
     gamma, trace_decay = args.gamma, args.trace_decay
     ours, ours_median = timed(lambda: batch_gae(r, v, m, boot, gamma, trace_decay), args.repeats)
+    outputs = (torch.empty_like(r), torch.empty_like(r))
+    reused, reused_median = timed(
+        lambda: batch_gae(r, v, m, boot, gamma, trace_decay, out=outputs), args.repeats
+    )
     loop, loop_median = timed(
         lambda: batch_gae_reference(r, v, m, boot, gamma, trace_decay), args.loop_repeats
     )
@@ -104,6 +109,10 @@ def measure_shape(
     print(
         f"  batch_gae        {tokens / ours / 1e6:8.1f} M tokens/s  (best {ours * 1e3:7.2f} ms,"
         f" median {ours_median * 1e3:7.2f} ms)"
+    )
+    print(
+        f"  batch_gae, out=  {tokens / reused / 1e6:8.1f} M tokens/s  (best {reused * 1e3:7.2f} ms,"
+        f" median {reused_median * 1e3:7.2f} ms; outputs reused)"
     )
     print(
         f"  per-step loop    {tokens / loop / 1e6:8.1f} M tokens/s  "

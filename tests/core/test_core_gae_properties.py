@@ -177,3 +177,42 @@ def test_whiten_uses_masked_statistics_only():
     assert float(out[0, 3]) == 0.0
     assert float(kept.mean()) == pytest.approx(0.0, abs=1e-6)
     assert float(kept.pow(2).mean()) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_out_buffers_are_written_and_results_never_share_the_workspace():
+    rewards, values, mask, boot = _random_batch(3, 6, 700, 0.5, torch.float32)
+    first_advantages, first_returns = batch_gae(rewards, values, mask, boot, 0.99, 0.95)
+    kept = first_advantages.clone(), first_returns.clone()
+    # A second call on other data reuses the cached workspace; the first results must not move.
+    other = _random_batch(4, 6, 700, 0.5, torch.float32)
+    batch_gae(*other, 0.99, 0.95)
+    assert torch.equal(first_advantages, kept[0]) and torch.equal(first_returns, kept[1])
+    assert first_advantages.untyped_storage().data_ptr() != first_returns.untyped_storage().data_ptr()
+    out = (torch.full_like(rewards, 7.0), torch.full_like(rewards, 7.0))
+    advantages, returns = batch_gae(rewards, values, mask, boot, 0.99, 0.95, out=out)
+    assert advantages is out[0] and returns is out[1]
+    assert torch.equal(advantages, kept[0]) and torch.equal(returns, kept[1])
+
+
+def test_out_buffers_are_checked():
+    rewards, values, mask, boot = _random_batch(5, 2, 9, 0.5, torch.float32)
+    with pytest.raises(ValueError, match="out advantages"):
+        batch_gae(rewards, values, mask, boot, out=(torch.empty(2, 8), torch.empty(2, 9)))
+    with pytest.raises(ValueError, match="out returns"):
+        batch_gae(rewards, values, mask, boot, out=(torch.empty(2, 9), torch.empty(2, 9).double()))
+    shared = torch.empty(2, 9)
+    with pytest.raises(ValueError, match="overlap"):
+        batch_gae(rewards, values, mask, boot, out=(shared, shared))
+    with pytest.raises(ValueError, match="overlaps an input"):
+        batch_gae(rewards, values, mask, boot, out=(rewards, torch.empty(2, 9)))
+
+
+@pytest.mark.parametrize("position", ["action", "other"])
+@pytest.mark.parametrize("name", ["rewards", "values"])
+def test_non_finite_inputs_are_named_on_the_blocked_path(position, name):
+    rewards, values, mask, boot = _random_batch(6, 3, 300, 0.5, torch.float32)
+    row, column = 1, int(torch.nonzero(mask[1] if position == "action" else ~mask[1])[0])
+    bad = rewards if name == "rewards" else values
+    bad[row, column] = float("nan")
+    with pytest.raises(ValueError, match=name):
+        batch_gae(rewards, values, mask, boot, 0.99, 0.95)

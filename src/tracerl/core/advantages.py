@@ -6,7 +6,6 @@ Paper symbols: ``gamma`` is the discount, ``trace_decay`` is GAE's lambda (Schul
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -16,11 +15,13 @@ import torch
 from tracerl.core._convert import (
     as_float,
     as_mask,
+    check_finite,
     check_same_shape,
     check_unit_interval,
     kind_of,
     restore,
 )
+from tracerl.core._gae_kernel import gae_blocks, min_scaled_decay
 
 __all__ = [
     "GroupReport",
@@ -80,6 +81,19 @@ def gae(
     return restore(torch.tensor(out, dtype=r.dtype, device=r.device), kind)
 
 
+def _as_float_unchecked(
+    value: Any, name: str, *, like: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`as_float` minus the NaN/inf pass for float tensors, for callers that check later.
+
+    A full pass over a large input costs as much as the whole blocked GAE kernel, which finds
+    NaN/inf in the blocks it already holds in cache.
+    """
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value if like is None else value.to(device=like.device, dtype=like.dtype)
+    return as_float(value, name, like=like)
+
+
 def _batch_inputs(
     rewards: Any,
     values: Any,
@@ -87,13 +101,15 @@ def _batch_inputs(
     bootstrap_values: Any,
     gamma: float,
     trace_decay: float,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
     gamma = check_unit_interval(gamma, "gamma")
     trace_decay = check_unit_interval(trace_decay, "trace_decay")
-    r = as_float(rewards, "rewards")
+    convert = as_float if check else _as_float_unchecked
+    r = convert(rewards, "rewards")
     if r.dim() != 2:
         raise ValueError(f"rewards must be [B, T], got shape {tuple(r.shape)}")
-    v = as_float(values, "values", like=r)
+    v = convert(values, "values", like=r)
     check_same_shape(r, "rewards", values=v)
     mask = as_mask(action_mask, "action_mask", shape=r.shape).to(r.device)
     boot = as_float(bootstrap_values, "bootstrap_values", like=r)
@@ -147,87 +163,6 @@ def _loop(
     return advantages, (advantages + v) * mask
 
 
-def _orders(dtype: torch.dtype) -> float:
-    """Decimal orders of magnitude the chunk rescaling may span in ``dtype``.
-
-    Half of the range below 1 (about 19 for float32, 154 for float64), leaving the other half
-    for the magnitudes of the values being rescaled.
-    """
-    return -math.log10(torch.finfo(dtype).tiny) / 2
-
-
-def _min_scaled_decay(dtype: torch.dtype) -> float:
-    """Smallest decay whose single step stays inside the rescaling's range."""
-    return float(10.0 ** -_orders(dtype))
-
-
-def _chunk_length(decay: float, length: int, dtype: torch.dtype) -> int:
-    """Longest power-of-two chunk whose within-chunk decay product stays far above underflow.
-
-    The fast path rescales each chunk by cumulative decay products; keeping them above the
-    square root of the smallest normal float (about 1e-19 in float32) leaves the rescaled terms
-    normal floats, so the rescaling costs no precision.
-    """
-    if decay >= 1.0:
-        return length
-    max_len = max(1, int(_orders(dtype) / -math.log10(decay)))
-    chunk = 1 << int(math.log2(max_len))
-    return min(chunk, length)
-
-
-def _scan_in_place(
-    values: torch.Tensor, scale: torch.Tensor | None, boundary: torch.Tensor, chunk: int
-) -> None:
-    """Overwrite ``values`` (u) with Y, where ``Y_j = u_j + g_j * Y_{j-1}`` and ``Y_{-1} = boundary``.
-
-    Runs forward along the last axis of [B, T] (callers pass time reversed). ``scale`` holds
-    the inclusive product Q of g within each chunk of ``chunk`` steps (None when every g is
-    1). Within a chunk ``Y_j = Q_j * (carry + sum_{i <= j} u_i / Q_i)``: one cumulative sum of
-    growing terms, so no large partial sum is ever cancelled. Chunk lengths keep Q far above
-    underflow. The carry into each chunk takes a short loop over T / chunk chunk totals.
-    """
-    b, t = values.shape
-    if scale is None:
-        values[:, 0].add_(boundary)
-        values.cumsum_(-1)
-        return
-    whole, tail = divmod(t, chunk)
-    blocks = []  # (u, Q) as [B, chunks, length] views of the same storage
-    if whole:
-        cut = whole * chunk
-        blocks.append((values[:, :cut].view(b, whole, chunk), scale[:, :cut].view(b, whole, chunk)))
-    if tail:
-        blocks.append(
-            (values[:, t - tail :].view(b, 1, tail), scale[:, t - tail :].view(b, 1, tail))
-        )
-    carry = boundary
-    for u, q in blocks:
-        u.div_(q)
-        totals = u.sum(-1)  # (B, chunks)
-        ends = q[..., -1]  # (B, chunks): decay across each whole chunk
-        incoming = torch.empty_like(totals)
-        for index in range(totals.shape[1]):
-            incoming[:, index] = carry
-            carry = ends[:, index] * (carry + totals[:, index])
-        u[..., 0].add_(incoming)
-        u.cumsum_(-1)
-        u.mul_(q)
-
-
-def _next_action_values(
-    values: torch.Tensor, mask: torch.Tensor, boot: torch.Tensor
-) -> torch.Tensor:
-    """For each position, the value at the first action strictly after it (else bootstrap)."""
-    b, t = values.shape
-    positions = torch.arange(t, device=values.device).expand(b, t)
-    index = torch.where(mask, positions, torch.full_like(positions, t))
-    # reversed cumulative minimum gives the first action at or after each position
-    first_at_or_after = index.flip(-1).cummin(-1).values.flip(-1)
-    following = torch.cat([first_at_or_after[:, 1:], torch.full_like(index[:, :1], t)], dim=1)
-    extended = torch.cat([values, boot[:, None]], dim=1)
-    return extended.gather(1, following)
-
-
 def batch_gae(
     rewards: Any,
     values: Any,
@@ -235,6 +170,8 @@ def batch_gae(
     bootstrap_values: Any,
     gamma: float = 1.0,
     trace_decay: float = 1.0,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[Any, Any]:
     """GAE over [B, T] token rows, running over action positions only.
 
@@ -248,71 +185,90 @@ def batch_gae(
             terminated, the value of the continuation state when it was truncated or is a
             fragment that continues.
         gamma, trace_decay: in [0, 1]; one step of discount per action token.
+        out: optional ``(advantages, returns)`` tensors of shape [B, T] and the dtype and
+            device of the (converted) rewards, written and returned instead of fresh ones;
+            for a training loop that calls this every step on same-shaped batches. They
+            must not overlap each other or any input. If a ValueError about the rewards is
+            raised, they may be partly written.
 
     Returns:
         ``(advantages, returns)``, both [B, T] and zero on non-action positions;
-        ``returns = advantages + values`` on action positions. No whitening.
+        ``returns = advantages + values`` on action positions. No whitening. Fresh tensors
+        (or ``out``) that share no memory with the inputs or with any internal buffer.
 
     For each action t with next action t' (or the bootstrap), ``delta_t = r_t + gamma V_t' -
     V_t`` and ``A_t = delta_t + gamma * trace_decay * A_t'``. The fast path rewrites this,
     exactly, as ``A_t = R_t - V_t + gamma * Y_{t+1}`` where R and Y solve pass-through
     recurrences with decay ``c = gamma * trace_decay`` on actions and 1 elsewhere: R over the
     rewards, Y over ``(1 - trace_decay) * V`` with Y ending at the bootstrap. Both terms stay
-    of the size of a return, so nothing large cancels.
+    of the size of a return, so nothing large cancels. It runs in cache-sized time blocks on
+    a reusable per-thread workspace (see ``tracerl.core._gae_kernel``); calls from several
+    threads at once are safe.
     """
     kind = kind_of(rewards)
     r, v, mask, boot, gamma, trace_decay = _batch_inputs(
-        rewards, values, action_mask, bootstrap_values, gamma, trace_decay
+        rewards, values, action_mask, bootstrap_values, gamma, trace_decay, check=False
     )
-    if r.requires_grad or v.requires_grad:
+    if r.requires_grad or v.requires_grad or boot.requires_grad:
         r, v, boot = r.detach(), v.detach(), boot.detach()
+    advantages, returns = _outputs(out, r, (r, v, mask, boot))
     decay = gamma * trace_decay
-    if 0.0 < decay < _min_scaled_decay(r.dtype):
+    if 0.0 < decay < min_scaled_decay(r.dtype):
+        check_finite(r, "rewards")
+        check_finite(v, "values")
         # So small a decay would push the chunk rescaling past the float range; such values
         # are far from any practical setting, so the plain loop handles them.
         if not torch.equal(r * mask, r):
             raise ValueError("rewards has nonzero entries on positions where action_mask is 0")
-        advantages, returns = _loop(r, v, mask, boot, gamma, trace_decay)
-        return restore(advantages, kind), restore(returns, kind)
-    # Work in reversed time so both recurrences run forward, and in place on a handful of
-    # buffers: fresh multi-megabyte allocations (page faults) cost more than the arithmetic.
-    rewards_rev = r.flip(-1)
-    values_rev = v.flip(-1)
-    maskf = mask.flip(-1).to(r.dtype)
-    nonzero = torch.count_nonzero(rewards_rev)
-    rewards_rev.mul_(maskf)
-    if torch.count_nonzero(rewards_rev) != nonzero:
-        raise ValueError("rewards has nonzero entries on positions where action_mask is 0")
-    values_rev.mul_(maskf)  # values on action positions
-    returns_rev = rewards_rev
-    if gamma == 0.0:
-        pass  # returns are the rewards themselves
-    elif decay == 0.0:
-        # trace_decay == 0: the one-step residual; the scaled scan needs decay > 0.
-        following = _next_action_values(v, mask, boot).flip(-1)
-        returns_rev.add_(following.mul_(maskf), alpha=gamma)
+        slow_advantages, slow_returns = _loop(r, v, mask, boot, gamma, trace_decay)
+        advantages.copy_(slow_advantages)
+        returns.copy_(slow_returns)
     else:
-        scale = None
-        chunk = _chunk_length(decay, r.shape[1], r.dtype)
-        if decay != 1.0:
-            scale = torch.rsub(maskf, 1.0).add_(maskf, alpha=decay)  # g: decay on actions
-            whole = (r.shape[1] // chunk) * chunk
-            scale[:, :whole].view(r.shape[0], -1, chunk).cumprod_(-1)
-            scale[:, whole:].cumprod_(-1)
-        if trace_decay == 1.0:
-            # Y reduces to the bootstrap, which folds into R's boundary (gamma == decay).
-            _scan_in_place(returns_rev, scale, boot, chunk)
-        else:
-            carried = values_rev * (1.0 - trace_decay)
-            _scan_in_place(returns_rev, scale, torch.zeros_like(boot), chunk)
-            _scan_in_place(carried, scale, boot, chunk)
-            # returns_t = R_t + gamma * Y_{t+1}; Y_T is the bootstrap. Reversed: shift by one.
-            returns_rev[:, 1:].add_(carried[:, :-1], alpha=gamma)
-            returns_rev[:, 0].add_(boot, alpha=gamma)
-        returns_rev.mul_(maskf)
-    advantages_rev = values_rev.neg_().add_(returns_rev)
-    advantages, returns = advantages_rev.flip(-1), returns_rev.flip(-1)
+        gae_blocks(r, v, mask, boot, gamma, trace_decay, advantages, returns)
     return restore(advantages, kind), restore(returns, kind)
+
+
+def _extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """Byte range [first, last) of the storage that ``tensor`` can touch."""
+    first = tensor.data_ptr()
+    span = sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return first, first + (span + 1) * tensor.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    (a0, a1), (b0, b1) = _extent(a), _extent(b)
+    return a0 < b1 and b0 < a1
+
+
+def _outputs(
+    out: tuple[torch.Tensor, torch.Tensor] | None,
+    like: torch.Tensor,
+    inputs: tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh output tensors, or the caller's ``out`` pair after checking it is usable."""
+    if out is None:
+        return torch.empty_like(like, memory_format=torch.contiguous_format), torch.empty_like(
+            like, memory_format=torch.contiguous_format
+        )
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError("out must be a tuple (advantages, returns) of two tensors")
+    for name, tensor in zip(("advantages", "returns"), out, strict=True):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"out {name} must be a torch tensor, got {type(tensor).__name__}")
+        if tensor.shape != like.shape or tensor.dtype != like.dtype or tensor.device != like.device:
+            raise ValueError(
+                f"out {name} must be {like.dtype} of shape {tuple(like.shape)} on {like.device}, "
+                f"got {tensor.dtype} of shape {tuple(tensor.shape)} on {tensor.device}"
+            )
+        if tensor.requires_grad:
+            raise ValueError(f"out {name} must not require grad")
+        if any(_overlap(tensor, source) for source in inputs):
+            raise ValueError(f"out {name} overlaps an input; pass separate tensors")
+    if _overlap(out[0], out[1]):
+        raise ValueError("out advantages and returns overlap; pass separate tensors")
+    return out[0], out[1]
 
 
 @dataclass(frozen=True)
