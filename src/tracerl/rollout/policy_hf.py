@@ -4,6 +4,10 @@
 KV cache, sampling in a handful of tensor ops (``rollout.sampling.processed_logprobs`` and an
 exponential race), and no logits-processor objects. That loop, not the model, is most of the
 cost of ``model.generate`` for small models, which is why this exists (see ``bench/sampling.py``).
+For Llama-architecture models (Llama, Qwen2, Mistral without sliding window) the forward itself
+is replaced by ``rollout.fused_llama``: packed projections, a preallocated cache and
+``scaled_dot_product_attention``, the same logits to float rounding; other models, or
+``decode="hf"``, use the transformers forward.
 
 Accounting: each sampled token's logprob is recorded under the distribution it was drawn from
 (temperature, top-k, top-p, renormalised), and every completion carries the ``policy_version``
@@ -20,6 +24,12 @@ from typing import Any, Literal
 
 import torch
 
+from tracerl.rollout.fused_llama import (
+    FusedLlamaDecoder,
+    PackedLlama,
+    pack_llama,
+    unsupported_reason,
+)
 from tracerl.rollout.sampling import SamplingParams, processed_logprobs
 
 FinishReason = Literal["stop", "length"]
@@ -29,7 +39,12 @@ FinishReason = Literal["stop", "length"]
 CacheKind = Literal["auto", "static", "dynamic"]
 """KV cache: ``"static"`` preallocates prompt + new tokens once (no per-step copies);
 ``"dynamic"`` grows by concatenation and works for every model; ``"auto"`` picks static when
-the model declares support for it."""
+the model declares support for it. Used by the transformers decode path only."""
+
+DecodeKind = Literal["auto", "fused", "hf"]
+"""Which forward decodes: ``"fused"`` is ``rollout.fused_llama`` (Llama-architecture models
+only; ValueError otherwise); ``"hf"`` is the model's own forward with a transformers cache;
+``"auto"`` is fused when the model qualifies and no cache kind was named explicitly."""
 
 
 @dataclass(frozen=True)
@@ -79,11 +94,22 @@ class HFPolicy:
         policy_version: int = 0,
         max_batch_size: int = 64,
         cache: CacheKind = "auto",
+        decode: DecodeKind = "auto",
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if cache not in ("auto", "static", "dynamic"):
             raise ValueError(f"cache must be 'auto', 'static' or 'dynamic', got {cache!r}")
+        if decode not in ("auto", "fused", "hf"):
+            raise ValueError(f"decode must be 'auto', 'fused' or 'hf', got {decode!r}")
+        if decode == "fused":
+            reason = unsupported_reason(model)
+            if reason is not None:
+                raise ValueError(f"decode='fused' is not supported by {type(model).__name__}: {reason}")
+        self.decode_mode: DecodeKind = decode
+        """The decode path asked for (see ``DecodeKind``); ``decode_path()`` says which runs."""
+        # Naming a transformers cache kind is asking for the transformers path.
+        self._fused_allowed = decode == "fused" or (decode == "auto" and cache == "auto")
         self.model = model
         self.tokenizer = tokenizer
         self.policy_version: int = policy_version
@@ -141,6 +167,21 @@ class HFPolicy:
 
     # ----------------------------------------------------------------- generation
 
+    def decode_path(self) -> Literal["fused", "hf"]:
+        """The forward the next ``generate()`` uses, checked against the model as it is now.
+
+        A model that stops qualifying (a LoRA wrapper or hook added after this policy was built)
+        falls back to ``"hf"`` under ``decode="auto"`` and raises ValueError under ``"fused"``.
+        """
+        if not self._fused_allowed:
+            return "hf"
+        reason = unsupported_reason(self.model)
+        if reason is None:
+            return "fused"
+        if self.decode_mode == "fused":
+            raise ValueError(f"decode='fused' is not supported by {type(self.model).__name__}: {reason}")
+        return "hf"
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -169,11 +210,14 @@ class HFPolicy:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         shared = torch.Generator(device="cpu").manual_seed(seed)
         stop_ids = self._eos_ids if params.stop_token_ids is None else params.stop_token_ids
+        fused = self.decode_path() == "fused"
         results: list[Completion] = []
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.inference_mode():
+                # Packed from the weights as they are now: a trainer's update is always seen.
+                packed = pack_llama(self.model) if fused else None
                 for start in range(0, len(prompt_lists), self.max_batch_size):
                     chunk = prompt_lists[start : start + self.max_batch_size]
                     generators: list[torch.Generator] | torch.Generator = shared
@@ -182,7 +226,9 @@ class HFPolicy:
                             torch.Generator(device="cpu").manual_seed(int(s))
                             for s in row_seeds[start : start + self.max_batch_size]
                         ]
-                    results.extend(self._generate_batch(chunk, params, stop_ids, generators))
+                    results.extend(
+                        self._generate_batch(chunk, params, stop_ids, generators, packed)
+                    )
         finally:
             self.model.train(was_training)
         return results
@@ -193,6 +239,7 @@ class HFPolicy:
         params: SamplingParams,
         stop_ids: tuple[int, ...],
         generators: list[torch.Generator] | torch.Generator,
+        packed: PackedLlama | None,
     ) -> list[Completion]:
         device = self._device()
         n_rows = len(prompts)
@@ -217,16 +264,12 @@ class HFPolicy:
         input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
         position_ids = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
         total_width = prompt_width + n_steps
-        cache = self._new_cache(total_width)
-        if self._static:
-            # A static cache attends over its full width; columns beyond the current step are
-            # hidden by causality, so the mask marks only the left padding.
-            attention_mask = torch.cat(
-                [prompt_mask, prompt_mask.new_ones(n_rows, n_steps)], dim=1
-            )
+        decoder: FusedLlamaDecoder | _HFDecoder
+        if packed is not None:
+            decoder = FusedLlamaDecoder(packed, n_rows, total_width)
         else:
-            attention_mask = prompt_mask
-        logits = self._forward(input_ids, attention_mask, position_ids, cache, prefill=True)
+            decoder = _HFDecoder(self, n_steps, total_width)
+        logits = decoder.prefill(input_ids, prompt_mask, position_ids)
         next_position = position_ids[:, -1:] + 1
 
         out_tokens = torch.full((n_rows, n_steps), self._pad_id, dtype=torch.long)
@@ -272,18 +315,11 @@ class HFPolicy:
                 # Finished rows stop costing compute: keep only live rows once they are half the
                 # batch or fewer (at most log2(batch) re-indexings per call).
                 keep = torch.tensor([batch_index[r] for r in live], dtype=torch.long, device=device)
-                if self._select_cache_rows(cache, keep):
+                if decoder.select_rows(keep):
                     rows = live
                     tokens = tokens[keep]
-                    attention_mask = attention_mask[keep]
                     next_position = next_position[keep]
-            if not self._static:
-                attention_mask = torch.cat(
-                    [attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=1
-                )
-            logits = self._forward(
-                tokens.unsqueeze(1), attention_mask, next_position, cache, prefill=False
-            )
+            logits = decoder.step(tokens, next_position)
             next_position = next_position + 1
 
         completions = []
@@ -443,3 +479,42 @@ class HFPolicy:
             stop_reason=stop_reason,
             policy_version=self.policy_version,
         )
+
+
+class _HFDecoder:
+    """The model's own forward with a transformers cache: works for every causal LM."""
+
+    def __init__(self, policy: HFPolicy, n_new: int, width: int) -> None:
+        self.policy = policy
+        self.n_new = n_new
+        self.cache = policy._new_cache(width)
+        self.attention_mask = torch.zeros(0, dtype=torch.long)
+
+    def prefill(
+        self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        if self.policy._static:
+            # A static cache attends over its full width; columns beyond the current step are
+            # hidden by causality, so the mask marks only the left padding.
+            self.attention_mask = torch.cat(
+                [prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], self.n_new)], dim=1
+            )
+        else:
+            self.attention_mask = prompt_mask
+        return self.policy._forward(
+            input_ids, self.attention_mask, position_ids, self.cache, prefill=True
+        )
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if not self.policy._static:
+            mask = self.attention_mask
+            self.attention_mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        return self.policy._forward(
+            tokens.unsqueeze(1), self.attention_mask, positions, self.cache, prefill=False
+        )
+
+    def select_rows(self, keep: torch.Tensor) -> bool:
+        if not self.policy._select_cache_rows(self.cache, keep):
+            return False
+        self.attention_mask = self.attention_mask[keep]
+        return True

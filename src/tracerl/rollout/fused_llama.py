@@ -1,0 +1,484 @@
+"""A lean decode path for Llama-architecture causal LMs (Llama, Qwen2, Mistral without sliding window).
+
+For a small model, most of a transformers decode step is not arithmetic but bookkeeping: mask
+construction, cache objects, rotary modules, per-projection calls, output dataclasses. This
+module runs the same mathematics with a handful of tensor ops per layer:
+
+- q/k/v and gate/up projections concatenated into one matrix each (one matmul instead of three
+  or two), biases included when the model has them (Qwen2's q/k/v);
+- a preallocated key/value cache ``(layers, 2, B, H_kv, T_max, D)`` written in place;
+- a rotary table computed once per batch from the model's config (``default``, ``linear`` and
+  ``llama3`` scaling; other types are refused, so the caller falls back);
+- RMSNorm as transformers computes it (in float32, cast back, times the weight);
+- ``scaled_dot_product_attention`` with a boolean mask that hides left padding, grouped-query
+  attention through ``enable_gqa``;
+- logits only for the last position after prefill, and the (tied or untied) head at each step.
+
+Freshness: ``pack_llama`` reads the module's parameters when called and ``HFPolicy`` calls it at
+every ``generate()``, so a trainer's weight update is always seen by the next call; the packed
+matrices are the only copies and live for one call. Their cost is one pass over the weights,
+about what a single decode step reads anyway.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
+"""``config.model_type`` values whose decoder block is Llama's (pre-norm RMSNorm, rotary
+attention, SwiGLU MLP). Others (e.g. Qwen3's q/k norms, Gemma's scaled embeddings) fall back."""
+
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+"""Rotary scalings implemented here; any other type makes the model fall back."""
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder block's weights, packed for one ``generate()`` call."""
+
+    input_norm: torch.Tensor
+    """RMSNorm weight before attention, ``(hidden,)``."""
+    input_norm_eps: float
+    """Epsilon of that RMSNorm."""
+    qkv: torch.Tensor
+    """q, k and v projections stacked, ``((H + 2 H_kv) D, hidden)``."""
+    qkv_bias: torch.Tensor | None
+    """Their biases stacked (zeros for a projection without one); None when none has a bias."""
+    o: torch.Tensor
+    """Attention output projection, ``(hidden, H D)``."""
+    o_bias: torch.Tensor | None
+    """Its bias, if any."""
+    post_norm: torch.Tensor
+    """RMSNorm weight before the MLP."""
+    post_norm_eps: float
+    """Epsilon of that RMSNorm."""
+    gate_up: torch.Tensor
+    """Gate and up projections stacked, ``(2 I, hidden)``."""
+    gate_up_bias: torch.Tensor | None
+    """Their biases stacked, if any."""
+    down: torch.Tensor
+    """Down projection, ``(hidden, I)``."""
+    down_bias: torch.Tensor | None
+    """Its bias, if any."""
+
+
+@dataclass(frozen=True)
+class PackedLlama:
+    """Everything a fused decode needs, read from the model at one moment."""
+
+    embed: torch.Tensor
+    """Input embedding matrix ``(V, hidden)`` (the module's own tensor, not a copy)."""
+    layers: tuple[LayerWeights, ...]
+    """Decoder blocks in order."""
+    final_norm: torch.Tensor
+    """Final RMSNorm weight."""
+    final_norm_eps: float
+    """Its epsilon."""
+    head: torch.Tensor
+    """Output head ``(V, hidden)``; the embedding itself when the model ties them."""
+    head_bias: torch.Tensor | None
+    """Head bias, if any."""
+    n_heads: int
+    """Query heads ``H``."""
+    n_kv_heads: int
+    """Key/value heads ``H_kv`` (``H`` is a multiple: grouped-query attention)."""
+    head_dim: int
+    """Per-head width ``D``."""
+    intermediate: int
+    """MLP width ``I``."""
+    inv_freq: torch.Tensor
+    """Rotary inverse frequencies ``(D / 2,)`` after scaling, float32."""
+    attention_scaling: float
+    """Factor on cos/sin (1 for the implemented rotary types)."""
+
+
+def _rope_parameters(config: Any) -> dict[str, Any]:
+    """Rotary parameters in transformers 5 form (``rope_parameters``), or from 4.x fields."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return dict(params)
+    scaling = getattr(config, "rope_scaling", None) or {}
+    result = dict(scaling)
+    result.setdefault("rope_type", result.get("type", "default"))
+    result["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    return result
+
+
+def _head_dim(config: Any) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def rope_inv_freq(config: Any) -> tuple[torch.Tensor, float]:
+    """Rotary inverse frequencies and cos/sin scaling from ``config``; ValueError if unsupported."""
+    params = _rope_parameters(config)
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not implemented (have {SUPPORTED_ROPE_TYPES})")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial rotary embeddings are not implemented")
+    dim = _head_dim(config)
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(params["factor"])
+    elif rope_type == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        original = float(params["original_max_position_embeddings"])
+        wavelength = 2 * math.pi / inv_freq
+        # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, and the
+        # band between interpolated linearly in original / wavelength.
+        slowed = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelength - low) / (high - low)
+        blended = (1 - smooth) * slowed / factor + smooth * slowed
+        medium = (wavelength >= original / high) & (wavelength <= original / low)
+        inv_freq = torch.where(medium, blended, slowed)
+    return inv_freq, 1.0
+
+
+def _is_plain_linear(module: Any) -> bool:
+    # Subclasses (quantised layers, LoRA wrappers) compute something else from their weight.
+    return type(module) is torch.nn.Linear and module.weight.is_floating_point()
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot use the fused path, or None when it can.
+
+    Checked at every ``generate()``: adapters or hooks added after the policy was built (LoRA
+    wrappers, device-map hooks) make the model fall back rather than be silently bypassed.
+    """
+    config: Any = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    if getattr(config, "hidden_act", None) not in ("silu", "swish"):
+        return f"hidden_act {getattr(config, 'hidden_act', None)!r} is not silu"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp != 1"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        return "sliding-window attention layers"
+    window = getattr(config, "sliding_window", None)
+    if model_type == "mistral" and window is not None and window < config.max_position_embeddings:
+        return "sliding-window attention"
+    try:
+        rope_inv_freq(config)
+    except (ValueError, KeyError) as error:
+        return f"rotary embedding: {error}"
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if base is None or layers is None or len(layers) < config.num_hidden_layers:
+        return "no model.layers"
+    if type(getattr(base, "embed_tokens", None)) is not torch.nn.Embedding:
+        return "input embedding is not a plain nn.Embedding"
+    if not _is_plain_linear(getattr(model, "lm_head", None)):
+        return "lm_head is not a plain nn.Linear"
+    for index, layer in enumerate(layers[: config.num_hidden_layers]):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+        if attn is None or not all(_is_plain_linear(getattr(attn, n, None)) for n in projections):
+            return f"layer {index}: attention projections are not plain nn.Linear"
+        if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
+            return f"layer {index}: query/key norms are not implemented"
+        projections = ("gate_proj", "up_proj", "down_proj")
+        if mlp is None or not all(_is_plain_linear(getattr(mlp, n, None)) for n in projections):
+            return f"layer {index}: MLP projections are not plain nn.Linear"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            if not hasattr(getattr(layer, norm, None), "variance_epsilon"):
+                return f"layer {index}: {norm} is not an RMSNorm"
+    if not hasattr(getattr(base, "norm", None), "variance_epsilon"):
+        return "final norm is not an RMSNorm"
+    for module in model.modules():
+        if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
+            return f"{type(module).__name__} has forward hooks"
+    return None
+
+
+def _stack_bias(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
+    if all(m.bias is None for m in linears):
+        return None
+    return torch.cat(
+        [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
+    )
+
+
+def pack_llama(model: torch.nn.Module) -> PackedLlama:
+    """Read ``model``'s current weights into the fused layout; ValueError if it does not qualify."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(f"{type(model).__name__} cannot use the fused Llama path: {reason}")
+    config: Any = model.config
+    base: Any = model.model
+    head: Any = model.lm_head
+    layers = []
+    for layer in base.layers[: config.num_hidden_layers]:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        gate_up = [mlp.gate_proj, mlp.up_proj]
+        layers.append(
+            LayerWeights(
+                input_norm=layer.input_layernorm.weight,
+                input_norm_eps=float(layer.input_layernorm.variance_epsilon),
+                qkv=torch.cat([m.weight for m in qkv]),
+                qkv_bias=_stack_bias(qkv),
+                o=attn.o_proj.weight,
+                o_bias=attn.o_proj.bias,
+                post_norm=layer.post_attention_layernorm.weight,
+                post_norm_eps=float(layer.post_attention_layernorm.variance_epsilon),
+                gate_up=torch.cat([m.weight for m in gate_up]),
+                gate_up_bias=_stack_bias(gate_up),
+                down=mlp.down_proj.weight,
+                down_bias=mlp.down_proj.bias,
+            )
+        )
+    inv_freq, scaling = rope_inv_freq(config)
+    return PackedLlama(
+        embed=base.embed_tokens.weight,
+        layers=tuple(layers),
+        final_norm=base.norm.weight,
+        final_norm_eps=float(base.norm.variance_epsilon),
+        head=head.weight,
+        head_bias=head.bias,
+        n_heads=int(config.num_attention_heads),
+        n_kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
+        head_dim=_head_dim(config),
+        intermediate=int(layers[0].gate_up.shape[0] // 2) if layers else 0,
+        inv_freq=inv_freq.to(base.embed_tokens.weight.device),
+        attention_scaling=scaling,
+    )
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one kernel, same arithmetic
+    # As transformers: statistics in float32, cast back, then the weight.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+GROUP_OVERHEAD_CELLS = 256
+"""Cost of one more attention call, in cached (row, column) cells that it must save to pay."""
+
+
+def length_groups(lengths: list[int], overhead: int = GROUP_OVERHEAD_CELLS) -> list[tuple[int, int]]:
+    """Split rows sorted by ascending length into contiguous groups ``[(start, stop), ...]``.
+
+    A group attends over as many columns as its longest row, so a batch of mixed lengths wastes
+    the padding of its shorter rows; every extra group costs ``overhead`` cells. Minimises
+    ``sum(rows_g * max_len_g) + overhead * n_groups`` exactly (dynamic programming, O(B^2)).
+    """
+    n = len(lengths)
+    best = [0] + [0] * n
+    cut = [0] * (n + 1)
+    for stop in range(1, n + 1):
+        # Sorted ascending, so the group [start, stop) has max length lengths[stop - 1].
+        options = [best[a] + (stop - a) * lengths[stop - 1] + overhead for a in range(stop)]
+        cut[stop] = min(range(stop), key=options.__getitem__)
+        best[stop] = options[cut[stop]]
+    groups, stop = [], n
+    while stop > 0:
+        groups.append((cut[stop], stop))
+        stop = cut[stop]
+    return groups[::-1]
+
+
+class FusedLlamaDecoder:
+    """Prefill and per-token decode of one batch over packed weights and a preallocated cache.
+
+    ``prefill`` takes left-padded prompts; ``step`` appends one token per row; ``select_rows``
+    drops finished rows from the batch. Logits are returned for the newest position only
+    (``prefill(..., all_positions=True)`` returns every position, for tests).
+
+    Padding costs bandwidth: reading cached keys and values is most of a decode step for a small
+    model, and a left-padded batch of mixed prompt lengths is mostly padding for its short rows.
+    So rows are kept internally sorted by prompt length and split into contiguous groups
+    (``length_groups``); each group attends only from its longest prompt's first column. Inputs
+    and logits stay in the caller's row order.
+    """
+
+    def __init__(
+        self,
+        packed: PackedLlama,
+        batch_size: int,
+        max_width: int,
+        *,
+        group_overhead: int = GROUP_OVERHEAD_CELLS,
+    ) -> None:
+        if batch_size < 1 or max_width < 1:
+            raise ValueError(f"batch_size and max_width must be >= 1, got {batch_size}, {max_width}")
+        if group_overhead < 0:
+            raise ValueError(f"group_overhead must be >= 0, got {group_overhead}")
+        self.packed = packed
+        self.group_overhead = group_overhead
+        """See ``length_groups``; 0 gives a group per distinct prompt length."""
+        self.prompt_width = 0
+        """Columns of the left-padded prompts."""
+        self.max_width = max_width
+        embed = packed.embed
+        self.dtype, self.device = embed.dtype, embed.device
+        self.kv = torch.zeros(
+            (len(packed.layers), 2, batch_size, packed.n_kv_heads, max_width, packed.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.valid = torch.zeros((batch_size, max_width), dtype=torch.bool, device=self.device)
+        """Which cache columns hold real tokens (False for left padding), internal row order."""
+        self.width = 0
+        """Cache columns written so far (same for every row: prompts are left-aligned to the end)."""
+        self.order = torch.arange(batch_size, device=self.device)
+        """Caller's row index of each internal row (internal rows sorted by prompt length)."""
+        self.inverse = self.order
+        """Internal row of each caller's row."""
+        self.lengths: list[int] = []
+        """Prompt length of each internal row (ascending)."""
+        self.groups: list[tuple[int, int, int]] = []
+        """``(start, stop, first_column)`` of each group of internal rows."""
+        positions = torch.arange(max_width, dtype=torch.float32, device=self.device)
+        freqs = positions[:, None] * packed.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos = (emb.cos() * packed.attention_scaling).to(self.dtype)
+        self._sin = (emb.sin() * packed.attention_scaling).to(self.dtype)
+        self._gqa = packed.n_heads != packed.n_kv_heads
+
+    def _regroup(self) -> None:
+        self.groups = [
+            (a, b, self.prompt_width - self.lengths[b - 1])
+            for a, b in length_groups(self.lengths, self.group_overhead)
+        ]
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        rows: tuple[int, int],
+        groups: list[tuple[int, int, int, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, ``(b, S, hidden)``, for internal rows ``rows``.
+
+        Writes cache columns ``[width, width + S)`` for those rows. ``groups`` splits the rows
+        for attention: ``(start, stop, first_column, mask)`` relative to ``rows[0]``.
+        """
+        p = self.packed
+        batch, seq = input_ids.shape
+        start, end = self.width, self.width + seq
+        if end > self.max_width:
+            raise ValueError(f"cache holds {self.max_width} positions; {end} requested")
+        h_q, h_kv, dim = p.n_heads, p.n_kv_heads, p.head_dim
+        cos = self._cos[position_ids].unsqueeze(1)  # (b, 1, S, D)
+        sin = self._sin[position_ids].unsqueeze(1)
+        hidden = F.embedding(input_ids, p.embed)
+        for index, w in enumerate(p.layers):
+            x = _rms_norm(hidden, w.input_norm, w.input_norm_eps)
+            qkv = F.linear(x, w.qkv, w.qkv_bias).view(batch, seq, h_q + 2 * h_kv, dim).transpose(1, 2)
+            # q and k rotate together (one set of ops); v is untouched.
+            qk = _rotate(qkv[:, : h_q + h_kv], cos, sin)
+            cache = self.kv[index, :, rows[0] : rows[1]]
+            cache[0, :, :, start:end] = qk[:, h_q:]
+            cache[1, :, :, start:end] = qkv[:, h_q + h_kv :]
+            parts = [
+                F.scaled_dot_product_attention(
+                    qk[a:b, :h_q],
+                    cache[0, a:b, :, first:end],
+                    cache[1, a:b, :, first:end],
+                    attn_mask=mask,
+                    enable_gqa=self._gqa,
+                )
+                for a, b, first, mask in groups
+            ]
+            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+            attn = attn.transpose(1, 2).reshape(batch, seq, h_q * dim)
+            hidden = hidden + F.linear(attn, w.o, w.o_bias)
+            x = _rms_norm(hidden, w.post_norm, w.post_norm_eps)
+            gate, up = F.linear(x, w.gate_up, w.gate_up_bias).split(p.intermediate, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        return _rms_norm(hidden, p.final_norm, p.final_norm_eps)
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        all_positions: bool = False,
+    ) -> torch.Tensor:
+        """Run left-padded prompts ``(B, S)``; logits ``(B, V)`` of the last column.
+
+        Each length group is one pass over only its own columns. With ``all_positions``, logits
+        ``(B, S, V)`` of every column (zeros where a group did not compute: padding only).
+        """
+        if self.width:
+            raise ValueError("prefill must be the first call on a decoder")
+        batch, width = input_ids.shape
+        if batch != self.kv.shape[2]:
+            raise ValueError(f"input_ids has {batch} rows, the cache {self.kv.shape[2]}")
+        valid = prompt_mask.bool()
+        lengths = valid.sum(dim=1)
+        if not bool((valid[:, 1:] >= valid[:, :-1]).all()) or not bool(valid[:, -1].all()):
+            raise ValueError("prompt_mask must be left padding: each row's real tokens end last")
+        self.order = torch.sort(lengths, stable=True).indices
+        self.inverse = torch.argsort(self.order)
+        self.lengths = lengths[self.order].tolist()
+        self.prompt_width = width
+        self._regroup()
+        ids, valid, positions = input_ids[self.order], valid[self.order], position_ids[self.order]
+        self.valid[:, :width] = valid
+        outputs = []
+        for a, b, first in self.groups:
+            seq = width - first
+            causal = torch.ones((seq, seq), dtype=torch.bool, device=self.device).tril()
+            # A padding query may see itself: a row with nothing to attend to would give NaN,
+            # and NaN values in the cache would poison real queries even at zero weight.
+            own = torch.eye(seq, dtype=torch.bool, device=self.device)
+            mask = (causal & (valid[a:b, None, first:] | own)).unsqueeze(1)  # (b, 1, S, S)
+            self.width = first
+            hidden = self._forward(
+                ids[a:b, first:], positions[a:b, first:], (a, b), [(0, b - a, first, mask)]
+            )
+            if not all_positions:
+                hidden = hidden[:, -1]
+            elif first:
+                hidden = torch.cat([hidden.new_zeros(b - a, first, hidden.shape[-1]), hidden], dim=1)
+            outputs.append(hidden)
+        self.width = width
+        hidden = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return F.linear(hidden[self.inverse], self.packed.head, self.packed.head_bias)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Append one token per row (``(B,)`` ids at ``(B, 1)`` positions); logits ``(B, V)``."""
+        self.valid[:, self.width] = True
+        end = self.width + 1
+        groups = [(a, b, first, self.valid[a:b, None, None, first:end]) for a, b, first in self.groups]
+        hidden = self._forward(
+            tokens.view(-1, 1)[self.order], positions.view(-1, 1)[self.order],
+            (0, self.kv.shape[2]), groups,
+        )
+        self.width = end
+        return F.linear(hidden[self.inverse, -1], self.packed.head, self.packed.head_bias)
+
+    def select_rows(self, keep: torch.Tensor) -> bool:
+        """Keep only the caller's rows ``keep`` (in that new order); copies written columns only."""
+        new_index = torch.full_like(self.order, -1)
+        new_index[keep] = torch.arange(keep.numel(), device=self.device)
+        mapped = new_index[self.order]  # caller's new row of each internal row, or -1
+        internal = torch.nonzero(mapped >= 0).flatten()  # kept internal rows, still sorted
+        kv = self.kv.new_zeros((*self.kv.shape[:2], internal.numel(), *self.kv.shape[3:]))
+        kv[..., : self.width, :] = self.kv[:, :, internal, :, : self.width]
+        self.kv = kv
+        self.valid = self.valid[internal]
+        self.order = mapped[internal]
+        self.inverse = torch.argsort(self.order)
+        self.lengths = [self.lengths[i] for i in internal.tolist()]
+        self._regroup()
+        return True
