@@ -314,15 +314,18 @@ class FusedLlamaDecoder:
         batch_size: int,
         max_width: int,
         *,
-        group_overhead: int = GROUP_OVERHEAD_CELLS,
+        group_overhead: int | None = None,
     ) -> None:
         if batch_size < 1 or max_width < 1:
             raise ValueError(f"batch_size and max_width must be >= 1, got {batch_size}, {max_width}")
+        if group_overhead is None:
+            group_overhead = GROUP_OVERHEAD_CELLS
         if group_overhead < 0:
             raise ValueError(f"group_overhead must be >= 0, got {group_overhead}")
         self.packed = packed
         self.group_overhead = group_overhead
-        """See ``length_groups``; 0 gives a group per distinct prompt length."""
+        """See ``length_groups`` (None: ``GROUP_OVERHEAD_CELLS``); 0 gives a group per distinct
+        prompt length."""
         self.prompt_width = 0
         """Columns of the left-padded prompts."""
         self.max_width = max_width
