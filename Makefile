@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tracerl-installed
 
-.PHONY: test test-slow lint browser demo bench bench-env bench-gae clean
+.PHONY: test test-slow lint browser demo bench bench-env bench-gae bench-trl clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	for f in bench/*.py; do $(PY) $$f || exit 1; done
 
-# A separate environment for comparisons against verl, whose install pins would clash with
+# A separate environment for comparisons against verl and TRL, whose install pins would clash with
 # ours; tracerl itself goes in without dependencies so the same torch is measured.
 BENCH_VENV := .bench-venv
 BENCH_PY := $(BENCH_VENV)/bin/python
@@ -47,6 +47,11 @@ $(BENCH_STAMP): pyproject.toml
 	$(BENCH_PY) -m pip install -q --no-deps verl==0.9.1
 	$(BENCH_PY) -m pip install -q numpy packaging ray 'tensordict>=0.8.0,<=0.10.0,!=0.9.0' \
 		omegaconf 'transformers>=5.5.3,<5.11,!=5.6.0' codetiming
+	# TRL for bench/vs_trl.py, without its dependency resolution (it must not move torch or
+	# transformers); its own needs are listed, with torch pinned again so none can replace it.
+	$(BENCH_PY) -m pip install -q --no-deps trl==1.16.0
+	$(BENCH_PY) -m pip install -q torch==2.13.0 'transformers>=5.5.3,<5.11,!=5.6.0' \
+		'accelerate>=1.10.1' 'datasets>=4.7.0' jinja2 pandas psutil 'pyarrow>=21.0.0' pyyaml
 	$(BENCH_PY) -m pip install -q --no-deps -e .
 	touch $(BENCH_STAMP)
 
@@ -54,6 +59,9 @@ bench-env: $(BENCH_STAMP)
 
 bench-gae: $(BENCH_STAMP)
 	$(BENCH_PY) bench/gae.py
+
+bench-trl: $(BENCH_STAMP)
+	$(BENCH_PY) bench/vs_trl.py
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) runs .pytest_cache .mypy_cache .ruff_cache
