@@ -108,31 +108,8 @@ def _gae(args: argparse.Namespace) -> int:
     return _emit(payload, "\n".join(lines), args.json)
 
 
-def _demo_calculators(args: argparse.Namespace) -> int:
-    """Placeholder for ``tracerl demo`` until the trainer provides the real demo: the calculators."""
-    print("tracerl demo: the core calculators (the training demo replaces this).\n")
-    for p in (0.02, 0.2, 0.98):
-        print(
-            f"group of 8, success probability {p:.0%}: "
-            f"{mixed_group_probability(p, 8):.1%} of groups have reward variation"
-        )
-    print()
-    for trace_decay in (0.5, 1.0):
-        advantages = gae(
-            [0, 0, 1],
-            [0.9, 0.3, 0.8],
-            [0.3, 0.8, 0],
-            [False, False, True],
-            [False, False, False],
-            gamma=1.0,
-            trace_decay=trace_decay,
-        )
-        print(f"3-step GAE, trace_decay={trace_decay}: {[round(a, 3) for a in advantages]}")
-    return 0
-
-
 def register(subparsers: Any) -> None:
-    """Add ``calc`` (and, until the trainer exists, ``demo``) to the ``tracerl`` parser."""
+    """Add ``calc`` to the ``tracerl`` parser."""
     calc = subparsers.add_parser("calc", help="mixed-group probabilities and GAE by hand")
     calc_sub = calc.add_subparsers(dest="calc_command", metavar="CALC", required=True)
 
@@ -169,5 +146,3 @@ def register(subparsers: Any) -> None:
     gae_parser.add_argument("--json", action="store_true", help="print JSON")
     gae_parser.set_defaults(func=_gae)
 
-    demo = subparsers.add_parser("demo", help="show the core calculators (until the trainer)")
-    demo.set_defaults(func=_demo_calculators)

@@ -1,4 +1,4 @@
-"""``tracerl train CONFIG [key=value ...]`` and the demo (``tracerl train-demo``)."""
+"""``tracerl train CONFIG [key=value ...]`` and the demo (``tracerl demo``)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
-    """Add ``train``, ``train-options`` and ``train-demo``."""
+    """Add ``train``, ``train-options`` and ``demo``."""
     train = subparsers.add_parser(
         "train", help="train a policy from a YAML recipe (see configs/)",
         description="Run a training recipe. Overrides are dotted keys: update.lr=3e-4 "
@@ -49,7 +49,7 @@ def register(subparsers: Any) -> None:
                                     help="list every training config key with its help")
     options.set_defaults(func=_options)
     demo = subparsers.add_parser(
-        "train-demo", help="SFT then multi-turn GRPO on the built-in suite (2 CPU cores, "
+        "demo", help="SFT then multi-turn GRPO on the built-in suite (2 CPU cores, "
                            "about 15 minutes), judged on held-out tasks")
     demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     demo.add_argument("--strict", action="store_true",

@@ -1,6 +1,6 @@
 """The demo: SFT on imperfect demonstrations, then multi-turn GRPO, judged on held-out tasks.
 
-``tracerl train-demo`` (``make demo``) runs ``configs/demo.yaml`` (embedded below, so an
+``tracerl demo`` (``make demo``) runs ``configs/demo.yaml`` (embedded below, so an
 installed package needs no file) and then writes the curves of ``runs/demo`` as PNG files and
 an HTML report. Every number in ``summary.json`` comes from the run; the seeds are fixed.
 """
