@@ -269,6 +269,11 @@ class Sandbox:
             "--die-with-parent", "--new-session",
             "--hostname", "sandbox",
             "--ro-bind", "/usr", "/usr",
+            # /proc, /dev and the private /tmp come before the interpreter's directories: an
+            # interpreter (a virtualenv) that lives under /tmp is then bound on top of the
+            # tmpfs instead of being hidden by it.
+            "--proc", "/proc", "--dev", "/dev",
+            "--perms", "1777", "--size", str(self.limits.tmp_bytes), "--tmpfs", "/tmp",
         ]
         for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
             if os.path.islink(top):
@@ -278,7 +283,8 @@ class Sandbox:
         # bubblewrap would create mount points' parents 0700 (root's), which the sandbox's
         # uid could not walk; create them world-traversable first.
         parents = {"/etc"} | {str(parent) for d in self._interp_dirs
-                              for parent in Path(d).parents if str(parent) != "/"}
+                              for parent in Path(d).parents
+                              if str(parent) not in ("/", "/tmp")}
         for parent in sorted(parents, key=lambda p: p.count("/")):
             args += ["--perms", "0755", "--dir", parent]
         for etc_file in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/localtime"):
@@ -290,8 +296,6 @@ class Sandbox:
             # sandbox cannot read the suite generator and rebuild the hidden tests.
             args += ["--tmpfs", self._hidden_pkg]
         args += [
-            "--proc", "/proc", "--dev", "/dev",
-            "--perms", "1777", "--size", str(self.limits.tmp_bytes), "--tmpfs", "/tmp",
             "--bind", str(workspace), WORKSPACE_MOUNT,
             "--chdir", WORKSPACE_MOUNT,
             "--clearenv",
