@@ -174,3 +174,31 @@ def test_injected_slowness_is_recorded(sandbox: Sandbox) -> None:
 def test_fault_probabilities_are_checked() -> None:
     with pytest.raises(ValueError, match="tool_crash"):
         FaultConfig(tool_crash=1.5)
+
+
+def test_replace_scoped_to_one_line(env: CodingEnv) -> None:
+    env.reset(seed=0, options={"task_index": 0})
+    assert env.task is not None and env.workspace is not None
+    module, _, source = _parts(env.task)
+    lines = source.splitlines()
+    number = next(i for i, line in enumerate(lines, 1) if "return" in line)
+    target = lines[number - 1]
+    token = "return"
+    for line, old, expected in [
+        (0, token, "argument line must be a line number"),
+        ("x", token, "argument line must be a line number"),
+        (True, token, "argument line must be a line number"),
+        (len(lines) + 1, token, f"line must be between 1 and {len(lines)}"),
+        (1, "no such text", "not found in line 1"),
+        (number, " ", "give more context"),
+    ]:
+        action = ('<tool_call>' + json.dumps({"name": "replace", "arguments": {
+            "path": module, "line": line, "old": old, "new": "y"}}) + '</tool_call>')
+        observation = env.step(action)[0]
+        assert observation.startswith("error:") and expected in observation, (line, observation)
+    action = ('<tool_call>' + json.dumps({"name": "replace", "arguments": {
+        "path": module, "line": str(number), "old": token, "new": "return  "}}) + '</tool_call>')
+    assert env.step(action)[0] == "OK"
+    after = env.workspace.read(module).splitlines()
+    assert after[number - 1] == target.replace(token, "return  ", 1)
+    assert after[:number - 1] == lines[:number - 1] and after[number:] == lines[number:]

@@ -24,7 +24,8 @@ def test_parses_hermes_style_calls() -> None:
     ("<tool_call>{oops}</tool_call>", "not valid JSON"),
     ('<tool_call>["view_file"]</tool_call>', 'needs "name"'),
     ('<tool_call>{"name": "rm", "arguments": {}}</tool_call>', "unknown tool rm"),
-    ('<tool_call>{"name": "view_file", "arguments": {}}</tool_call>', "missing argument path"),
+    ('<tool_call>{"name": "replace", "arguments": {"new": "x"}}</tool_call>',
+     "missing argument old"),
     ('<tool_call>{"name": "view_file", "arguments": {"path": "a", "x": 1}}</tool_call>',
      "unknown argument x"),
     ('<tool_call>{"name": "view_file", "arguments": {"path": 3}}</tool_call>',
@@ -43,7 +44,7 @@ def test_schemas_are_openai_functions_and_render_in_a_chat_template() -> None:
     for schema in TOOL_SCHEMAS:
         params = schema["function"]["parameters"]
         assert schema["type"] == "function" and params["type"] == "object"
-        assert set(params["required"]) == set(params["properties"])
+        assert set(params["required"]) <= set(params["properties"])
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
     model = tokenizers.models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")
@@ -54,7 +55,7 @@ def test_schemas_are_openai_functions_and_render_in_a_chat_template() -> None:
         "{% endfor %}")
     text = tokenizer.apply_chat_template([{"role": "user", "content": "fix it"}],
                                          tools=TOOL_SCHEMAS, tokenize=False)
-    assert "replace(path,old,new)" in text and "user: fix it" in text
+    assert "replace(old,new)" in text and "user: fix it" in text
 
 
 def _result(code: int, stdout: str = "", stderr: str = "", timed_out: bool = False) -> SandboxResult:

@@ -184,3 +184,14 @@ def test_save_and_load_round_trip(tokenizer, tmp_path) -> None:  # type: ignore[
         assert tok.padding_side == "left"
     with pytest.raises(ValueError, match=r"config\.json"):
         load_tiny(tmp_path / "missing")
+
+
+def test_word_list_makes_single_tokens_and_names_split_at_underscores() -> None:
+    from tracerl.models.words import WORDS
+
+    assert list(WORDS) == sorted(set(WORDS)) and len(WORDS) > 500
+    tokenizer = train_tokenizer(CORPUS, vocab_size=4096, words=WORDS)
+    for word in ("tower", "spread", "middle"):
+        assert len(tokenizer.encode(word, add_special_tokens=False)) == 1, word
+    pieces = tokenizer.convert_ids_to_tokens(tokenizer.encode("keep_big", add_special_tokens=False))
+    assert pieces == ["keep", "_", "big"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from tracerl.envs import CodingEnv
 from tracerl.envs.suite import generate_split
 from tracerl.models.tiny import build_tiny_model, train_tokenizer
@@ -67,3 +69,89 @@ def test_renamed_copies_are_valid_tasks_with_fresh_names() -> None:
         assert old != new and copy.id == f"{original.id}~r0"
         assert old not in copy.instruction and f"test_{new}.py" in copy.files
         assert validate_task(copy, sandbox).problems == ()
+
+
+def test_minimal_edit_is_the_shortest_unique_change() -> None:
+    from tracerl.train.sft import minimal_edit
+
+    assert minimal_edit("    return a - b * 3", "    return a + b * 3") == ("-", "+")
+    assert minimal_edit("    if x % 2 != 0:", "    if x % 2 == 0:") == ("!=", "==")
+    # "n" alone is not unique in the line ("in", "range"): the edit grows until it is.
+    old, new = minimal_edit("    for i in range(1, n):", "    for i in range(1, n + 1):")
+    assert "for i in range(1, n):".count(old) == 1
+    assert "    for i in range(1, n):".replace(old, new) == "    for i in range(1, n + 1):"
+    with pytest.raises(ValueError, match="equal"):
+        minimal_edit("x", "x")
+
+
+def test_line_edit_demonstrations_solve_every_family() -> None:
+    tasks = generate_split("train", 0, 14)
+    env = CodingEnv(tasks)
+    rng = random.Random(0)
+    try:
+        for task in tasks:
+            demo = play_demonstration(task, "recovery", env, rng, line_edits=True)
+            edits = [a for a, _ in demo.turns if '"replace"' in a]
+            assert len(edits) == 2 and all('"line": ' in a for a in edits)
+            assert [o for _, o in demo.turns][-2] == "PASS"  # the second edit fixed it
+    finally:
+        env.close()
+
+
+def test_renaming_a_demonstration_equals_playing_the_renamed_task() -> None:
+    from tracerl.train.augment import module_name, rename_task
+    from tracerl.train.sft import rename_demonstration
+
+    for task in generate_split("train", 0, 7):
+        renamed = rename_task(task, "tower_bell", f"{task.id}~rX")
+        env = CodingEnv([task, renamed])
+        try:
+            played = play_demonstration(task, "wrong_checked", env, random.Random(3),
+                                        line_edits=True)
+            replayed = play_demonstration(renamed, "wrong_checked", env, random.Random(3),
+                                          line_edits=True)
+        finally:
+            env.close()
+        rewritten = rename_demonstration(played, module_name(task), "tower_bell")
+        assert rewritten.first_observation == replayed.first_observation
+        assert rewritten.turns == replayed.turns
+
+
+def test_observation_weight_and_redraw() -> None:
+    task = generate_split("train", 0, 1)[0]
+    env = CodingEnv([task])
+    demo = play_demonstration(task, "checked", env, random.Random(0), line_edits=True)
+    env.close()
+    tokenizer = train_tokenizer(demonstration_texts([demo]), vocab_size=400)
+    model = build_tiny_model(tokenizer)
+    chat = ChatTokens(HFPolicy(model, tokenizer), tools=None)
+    sequence = tokenize_demonstration(demo, chat, tokenizer)
+    drawn: list[int] = []
+
+    def redraw(index: int, rng: random.Random) -> tuple[list[int], list[bool]]:
+        drawn.append(index)
+        return sequence
+
+    result = supervised_finetune(model, [sequence], steps=2, batch_size=1, lr=1e-3, seed=0,
+                                 pad_id=tokenizer.pad_token_id, observation_weight=0.5,
+                                 redraw=redraw)
+    assert drawn == [0, 0] and result.steps == 2
+    with pytest.raises(ValueError, match="observation_weight"):
+        supervised_finetune(model, [sequence], steps=1, batch_size=1, lr=1e-3, seed=0,
+                            pad_id=tokenizer.pad_token_id, observation_weight=-1.0)
+
+
+def test_fresh_names_are_words_that_cannot_clash() -> None:
+    import builtins
+    import keyword
+    import sys
+
+    from tracerl.models.words import WORDS
+    from tracerl.train.augment import fresh_name
+
+    rng = random.Random(0)
+    for _ in range(500):
+        name = fresh_name(rng)
+        assert all(part in WORDS for part in name.split("_"))
+        assert not keyword.iskeyword(name) and not hasattr(builtins, name)
+        assert name not in sys.stdlib_module_names

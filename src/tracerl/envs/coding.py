@@ -82,6 +82,10 @@ class CodingEnv(gym.Env[str, str]):
         self.task: Task | None = None
         self.workspace: Workspace | None = None
         self.tool_calls: list[tuple[str, dict[str, Any]]] = []
+        self.open_file: str | None = None
+        """The file ``view_file`` and ``replace`` use when no ``path`` is given: the last file
+        viewed, at first the task's first editable file (as an editor's open file, SWE-agent
+        style; a small policy then never has to type a file name)."""
         self._turn = 0
         self._started = 0.0
         self._done = True
@@ -109,6 +113,8 @@ class CodingEnv(gym.Env[str, str]):
         root = Path(tempfile.mkdtemp(prefix="tracerl-attempt-"))
         write_files(root, task.files)
         self.task, self.workspace = task, Workspace(root)
+        editable = [p for p in sorted(task.files) if p not in task.protected]
+        self.open_file = editable[0] if editable else None
         self.tool_calls = []
         self._turn, self._started, self._done = 0, time.monotonic(), False
         listing = "\n".join(sorted(task.files))
@@ -129,7 +135,10 @@ class CodingEnv(gym.Env[str, str]):
                                 "agent_error": False}
         parsed = parse_tool_call(action)
         if parsed.raw_name is not None:
-            self.tool_calls.append((parsed.raw_name, dict(parsed.raw_arguments or {})))
+            recorded = dict(parsed.raw_arguments or {})
+            if parsed.raw_name in ("view_file", "replace") and "path" not in recorded:
+                recorded["path"] = self.open_file  # the audit sees which file was meant
+            self.tool_calls.append((parsed.raw_name, recorded))
         terminated = truncated = False
         reward = 0.0
         if parsed.call is None:
@@ -184,10 +193,16 @@ class CodingEnv(gym.Env[str, str]):
         workspace = self.workspace
         if name == "list_files":
             return list_files_tool(workspace)
-        if name == "view_file":
-            return view_file_tool(workspace, arguments["path"])
-        if name == "replace":
-            return replace_tool(workspace, arguments["path"], arguments["old"], arguments["new"])
+        if name in ("view_file", "replace"):
+            path = arguments.get("path", self.open_file)
+            if path is None:
+                raise PathError("no open file; give path")
+            if name == "view_file":
+                shown = view_file_tool(workspace, path)
+                self.open_file = path
+                return shown
+            return replace_tool(workspace, path, arguments["old"], arguments["new"],
+                                arguments.get("line"))
         if name == "write_file":
             return write_file_tool(workspace, arguments["path"], arguments["content"])
         if name == "run_tests":

@@ -27,16 +27,38 @@ TOOL_NAMES = ("list_files", "view_file", "replace", "write_file", "run_tests", "
 
 _PARAMS: dict[str, tuple[dict[str, str], str]] = {
     "list_files": ({}, "List the files of the repository, one path per line."),
-    "view_file": ({"path": "File to show, relative to the repository root."},
-                  "Show a file with line numbers."),
-    "replace": ({"path": "File to edit.", "old": "Exact text to replace; must occur once.",
-                 "new": "Text to put in its place."},
-                "Replace the one occurrence of `old` in a file with `new`."),
+    "view_file": ({}, "Show a file with line numbers; it becomes the open file."),
+    "replace": ({"old": "Exact text to replace; must occur once (in "
+                 "the file, or in the given line).", "new": "Text to put in its place."},
+                "Replace the one occurrence of `old` in a file (or in one line of it) with `new`."),
     "write_file": ({"path": "File to write.", "content": "The whole new content."},
                    "Create or overwrite a file."),
     "run_tests": ({}, "Run the visible tests. Answers PASS, or FAIL and what failed."),
     "submit": ({}, "End the attempt; the final files are then checked by hidden tests."),
 }
+
+_OPEN_FILE = ("string", "File, relative to the repository root; default: the open file (the "
+                        "last one viewed; at first the task's first editable file).")
+_OPTIONAL: dict[str, dict[str, tuple[str, str]]] = {
+    "view_file": {"path": _OPEN_FILE},
+    "replace": {"path": _OPEN_FILE,
+                "line": ("integer", "Optional 1-based line number: only that line is searched "
+                                    "and changed, so `old` can be as short as one operator.")},
+}
+"""Optional arguments: name -> (JSON type, description)."""
+
+
+def _properties(name: str) -> dict[str, dict[str, str]]:
+    properties: dict[str, dict[str, str]] = {}
+    optional = _OPTIONAL.get(name, {})
+    if "path" in optional:
+        properties["path"] = {"type": optional["path"][0], "description": optional["path"][1]}
+    properties.update({p: {"type": "string", "description": d}
+                       for p, d in _PARAMS[name][0].items()})
+    for p, (kind, d) in optional.items():
+        properties.setdefault(p, {"type": kind, "description": d})
+    return properties
+
 
 TOOL_SCHEMAS: list[dict[str, Any]] = [
     {
@@ -46,8 +68,7 @@ TOOL_SCHEMAS: list[dict[str, Any]] = [
             "description": _PARAMS[name][1],
             "parameters": {
                 "type": "object",
-                "properties": {p: {"type": "string", "description": d}
-                               for p, d in _PARAMS[name][0].items()},
+                "properties": _properties(name),
                 "required": list(_PARAMS[name][0]),
             },
         },
@@ -115,14 +136,27 @@ def parse_tool_call(text: str) -> ParseResult:
                            name, arguments)
     expected = _PARAMS[name][0]
     missing = [p for p in expected if p not in arguments]
-    extra = sorted(set(arguments) - set(expected))
-    wrong = [p for p in expected if p in arguments and not isinstance(arguments[p], str)]
+    optional = _OPTIONAL.get(name, {})
+    extra = sorted(set(arguments) - set(expected) - set(optional))
+    wrong = [p for p in (*expected, *optional) if p in arguments
+             and optional.get(p, ("string",))[0] == "string" and not isinstance(arguments[p], str)]
+    bad_line = "line" in optional and "line" in arguments and _line_number(arguments["line"]) is None
     problem = (f"missing argument {missing[0]}" if missing
                else f"unknown argument {extra[0]}" if extra
-               else f"argument {wrong[0]} must be a string" if wrong else None)
+               else f"argument {wrong[0]} must be a string" if wrong
+               else "argument line must be a line number >= 1" if bad_line else None)
     if problem is not None:
         return ParseResult(None, f"error: {name}: {problem}", name, arguments)
     return ParseResult(ToolCall(name, dict(arguments)), None, name, arguments)
+
+
+def _line_number(value: Any) -> int | None:
+    """A 1-based line number from an integer or a string of digits; None if it is neither."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    return value if isinstance(value, int) and value >= 1 else None
 
 
 class PathError(ValueError):
@@ -202,16 +236,33 @@ def view_file_tool(workspace: Workspace, path: str) -> str:
     return "\n".join(shown) if shown else "(empty file)"
 
 
-def replace_tool(workspace: Workspace, path: str, old: str, new: str) -> str:
+def replace_tool(workspace: Workspace, path: str, old: str, new: str,
+                 line: int | str | None = None) -> str:
+    """Replace the one occurrence of ``old`` in ``path``, or in its line ``line`` when given."""
     if not old:
         return "error: replace: old must not be empty"
     text = workspace.read(path)
-    count = text.count(old)
+    if line is None:
+        count = text.count(old)
+        if count == 0:
+            return f"error: replace: old text not found in {path}"
+        if count > 1:
+            return f"error: replace: old text found {count} times in {path}; give more context"
+        workspace.write(path, text.replace(old, new, 1))
+        return "OK"
+    number = _line_number(line)
+    lines = text.splitlines(keepends=True)
+    if number is None or number > len(lines):
+        return f"error: replace: line must be between 1 and {len(lines)}, got {line!r}"
+    target = lines[number - 1]
+    count = target.count(old)
     if count == 0:
-        return f"error: replace: old text not found in {path}"
+        return f"error: replace: old text not found in line {number} of {path}"
     if count > 1:
-        return f"error: replace: old text found {count} times in {path}; give more context"
-    workspace.write(path, text.replace(old, new, 1))
+        return (f"error: replace: old text found {count} times in line {number} of {path}; "
+                "give more context")
+    lines[number - 1] = target.replace(old, new, 1)
+    workspace.write(path, "".join(lines))
     return "OK"
 
 

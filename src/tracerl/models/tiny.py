@@ -61,9 +61,10 @@ TOOL_CALL_CLOSE = "</tool_call>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *ROLE_TOKENS.values())
 
 # Chunks that BPE may not merge across: a newline plus the indentation after it, a run of
-# spaces/tabs, an identifier or number, or a run of other symbols. Every character of the
+# spaces/tabs, a word or number (identifiers are split at underscores, so ``keep_big`` is
+# ``keep`` ``_`` ``big``), a run of underscores, or a run of other symbols. Every character of the
 # input falls in exactly one chunk, so nothing is lost before the byte mapping.
-_CHUNK_PATTERN = r"\n[ \t]*|[ \t]+|\w+|[^\w\s]+|\s"
+_CHUNK_PATTERN = r"\n[ \t]*|[ \t]+|[^\W_]+|_+|[^\w\s]+|\s"
 
 # Jinja chat template. Messages are ``{role}content{end}`` with no extra whitespace, so the
 # tokens the model samples after ``<|assistant|>`` are exactly the assistant message. Tool
@@ -107,7 +108,8 @@ CHAT_TEMPLATE = (
 
 
 def train_tokenizer(
-    texts: Iterable[str], *, vocab_size: int = 2048, min_frequency: int = 2
+    texts: Iterable[str], *, vocab_size: int = 2048, min_frequency: int = 2,
+    words: Iterable[str] = (),
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on ``texts`` and wrap it with special tokens and a chat template.
 
@@ -118,6 +120,9 @@ def train_tokenizer(
             included. Training stops earlier when no pair reaches ``min_frequency``.
         min_frequency: a pair must occur this often to be merged; 2 keeps one-off strings from
             taking vocabulary rows the model would never learn.
+        words: words that should become single tokens (e.g. ``models.words.WORDS``): each is
+            added to the corpus ``min_frequency`` times, so it is merged whole when the
+            vocabulary has room.
 
     Returns:
         A fast tokenizer whose EOS ends a message (see ``EOS_TOKEN``) and whose padding side is
@@ -147,7 +152,8 @@ def train_tokenizer(
     previous = os.environ.get("RAYON_NUM_THREADS")
     os.environ["RAYON_NUM_THREADS"] = "1"
     try:
-        tokenizer.train_from_iterator(texts, trainer=trainer)
+        word_texts = [" ".join(words)] * min_frequency
+        tokenizer.train_from_iterator([*texts, *word_texts], trainer=trainer)
     finally:
         if previous is None:
             os.environ.pop("RAYON_NUM_THREADS", None)

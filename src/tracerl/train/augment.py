@@ -9,15 +9,16 @@ identifier, and nothing else: docstrings that use the same word as prose keep it
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
+import keyword
 import random
 import re
+import sys
 from collections.abc import Mapping, Sequence
 
 from tracerl.envs.tasks import Task
-
-_SYLLABLES = ("ba", "ko", "ri", "te", "mu", "sa", "li", "no", "pe", "du", "xa", "vo", "zi",
-              "fe", "go", "ha", "ju", "qi", "ro", "wy")
+from tracerl.models.words import WORDS
 
 
 def module_name(task: Task) -> str:
@@ -29,14 +30,39 @@ def module_name(task: Task) -> str:
 
 
 def fresh_name(rng: random.Random) -> str:
-    """A pronounceable identifier such as ``koriba`` or ``mu_tesa``."""
-    parts = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))]
+    """A fresh identifier made of common words (``models.words.WORDS``), such as ``tower`` or
+    ``keep_score``: single tokens of the tiny model's vocabulary that the policy must copy."""
+    parts = [rng.choice(WORDS)]
     if rng.random() < 0.3:
-        parts.append("".join(rng.choice(_SYLLABLES) for _ in range(2)))
-    return "_".join(parts)
+        parts.append(rng.choice(WORDS))
+    name = "_".join(parts)
+    return name if _usable(name) else fresh_name(rng)
 
 
-def _rename_text(text: str, old: str, new: str) -> str:
+def _usable(name: str) -> bool:
+    """A name that cannot clash: not a keyword, a builtin, a standard-library module (a file of
+    that name would shadow it), one of the suite's variable names, or a name that starts like a
+    test file."""
+    return (name.isidentifier() and not keyword.iskeyword(name) and name not in _RESERVED
+            and not name.startswith("test")
+            and name not in sys.stdlib_module_names and not hasattr(builtins, name))
+
+
+_RESERVED = frozenset(["a", "b", "c", "d", "n", "x", "xs", "i", "k", "out", "total", "count", "limit", "low", "high", "best", "item", "items", "value", "values", "result", "test"])
+
+
+RENAMED_MARK = "~r"
+"""Renamed copies have ids ``ID~rN``."""
+
+
+def is_renamed(task_id: str) -> bool:
+    """Whether ``task_id`` names a renamed copy made by ``renamed_copies``."""
+    return RENAMED_MARK in task_id
+
+
+def rename_text(text: str, old: str, new: str) -> str:
+    """``text`` with the function/module name ``old`` replaced by ``new`` wherever it is used
+    as a name (see the module docstring)."""
     patterns = (
         (rf"\b{old}(?=\()", new),                    # definitions and calls
         (rf"\bfrom {old} import {old}\b", f"from {new} import {new}"),
@@ -50,7 +76,7 @@ def _rename_text(text: str, old: str, new: str) -> str:
 
 
 def _rename_files(files: Mapping[str, str], old: str, new: str) -> dict[str, str]:
-    return {_rename_text(path, old, new): _rename_text(content, old, new)
+    return {rename_text(path, old, new): rename_text(content, old, new)
             for path, content in files.items()}
 
 
@@ -59,12 +85,12 @@ def rename_task(task: Task, new: str, new_id: str) -> Task:
     old = module_name(task)
     return dataclasses.replace(
         task, id=new_id,
-        instruction=_rename_text(task.instruction, old, new),
+        instruction=rename_text(task.instruction, old, new),
         files=_rename_files(task.files, old, new),
-        protected=tuple(_rename_text(p, old, new) for p in task.protected),
-        test_command=_rename_text(task.test_command, old, new),
+        protected=tuple(rename_text(p, old, new) for p in task.protected),
+        test_command=rename_text(task.test_command, old, new),
         hidden_files=_rename_files(task.hidden_files, old, new),
-        hidden_test_command=_rename_text(task.hidden_test_command, old, new),
+        hidden_test_command=rename_text(task.hidden_test_command, old, new),
         solution=None if task.solution is None else _rename_files(task.solution, old, new))
 
 
@@ -74,5 +100,5 @@ def renamed_copies(tasks: Sequence[Task], copies: int, seed: int) -> list[Task]:
     out = list(tasks)
     for index in range(copies):
         for task in tasks:
-            out.append(rename_task(task, fresh_name(rng), f"{task.id}~r{index}"))
+            out.append(rename_task(task, fresh_name(rng), f"{task.id}{RENAMED_MARK}{index}"))
     return out

@@ -97,6 +97,21 @@ class SFTConfig:
     and pass: the recovery behaviour then exists in the policy with small probability."""
     check_fraction: float = 0.3
     """Fraction of the remaining demonstrations that run the tests once before submitting."""
+    observation_weight: float = 0.0
+    """Weight of a side loss on the context tokens (task statement, tool outputs), relative to
+    the action loss; 0 trains on actions only. The demo uses it: a tiny model learns to copy
+    names from what it reads much sooner when it also learns to predict what it reads."""
+    fresh_names: float = 0.0
+    """Probability that a demonstration, each time it is drawn for a batch, is renamed with a
+    freshly drawn function/module name (see ``train.augment``): the policy must then copy the
+    name it reads, as it will have to on held-out tasks, instead of recalling it."""
+    implicit_path: bool = False
+    """Demonstrations call ``view_file`` and ``replace`` without ``path``, relying on the
+    environment's open file (see ``CodingEnv.open_file``): names need not be typed at all."""
+    line_edits: bool = True
+    """Demonstrations edit with ``replace`` scoped to one line (``line``, and ``old``/``new`` as
+    short as the change): a small model then copies a line number and one operator instead of
+    a whole line of code. False: ``old`` is the whole (stripped) buggy line."""
 
 
 @dataclass(frozen=True)
@@ -469,6 +484,12 @@ def validate(config: TrainConfig) -> None:
     for name, value in positive_ints.items():
         if value < 1:
             raise ValueError(f"{name}: must be >= 1, got {value}")
+    if not 0.0 <= config.sft.fresh_names <= 1.0:
+        raise ValueError(f"sft.fresh_names: must be a probability in [0, 1], "
+                         f"got {config.sft.fresh_names}")
+    if not config.sft.observation_weight >= 0.0:
+        raise ValueError(f"sft.observation_weight: must be >= 0, "
+                         f"got {config.sft.observation_weight}")
     if config.tasks.renamed_copies < 0:
         raise ValueError(f"tasks.renamed_copies: must be >= 0, got {config.tasks.renamed_copies}")
     if config.sft.steps < 0:

@@ -13,6 +13,7 @@ the contexts the policy will be sampled from. Only action tokens carry loss.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import re
@@ -28,6 +29,7 @@ from tracerl.envs.tasks import Task
 from tracerl.models.tiny import render_tool_call
 from tracerl.rollout.chat_tokens import ChatTokens
 from tracerl.rollout.sampling import logprobs_from_logits
+from tracerl.train.augment import RENAMED_MARK, rename_text
 
 DemoKind = Literal["correct", "checked", "wrong", "wrong_checked", "recovery"]
 """What a demonstration shows: ``correct`` (view, right edit, submit), ``checked`` (the same
@@ -73,6 +75,58 @@ def bug_line(task: Task) -> tuple[str, str, str]:
     raise ValueError(f"task {task.id}: the solution does not change exactly one line")
 
 
+def bug_location(task: Task) -> tuple[str, int, str, str]:
+    """(file, 1-based line number, buggy line, fixed line) of the one line the solution
+    changes, lines given in full (indentation included)."""
+    if not task.solution:
+        raise ValueError(f"task {task.id}: a demonstration needs the task's solution")
+    for path, fixed in task.solution.items():
+        old_lines, new_lines = task.files.get(path, "").splitlines(), fixed.splitlines()
+        changed = [i for i, (a, b) in enumerate(zip(old_lines, new_lines, strict=False)) if a != b]
+        if len(changed) == 1 and len(old_lines) == len(new_lines):
+            return path, changed[0] + 1, old_lines[changed[0]], new_lines[changed[0]]
+    raise ValueError(f"task {task.id}: the solution does not change exactly one line")
+
+
+def minimal_edit(before: str, after: str) -> tuple[str, str]:
+    """The shortest (old, new) pair, on token boundaries, that turns the line ``before`` into
+    ``after`` with one replacement, ``old`` occurring exactly once in ``before``.
+
+    The common prefix and suffix of the two token lists are left out; when that leaves
+    ``old`` empty (a pure insertion) or not unique in the line, it grows by a token at a time,
+    left then right."""
+    if before == after:
+        raise ValueError("minimal_edit: the lines are equal; there is nothing to replace")
+    a = [m.span() for m in re.finditer(r"\s+|\w+|[^\w\s]+", before)]
+    b = [m.span() for m in re.finditer(r"\s+|\w+|[^\w\s]+", after)]
+    ta, tb = [before[i:j] for i, j in a], [after[i:j] for i, j in b]
+    head = 0
+    while head < min(len(ta), len(tb)) and ta[head] == tb[head]:
+        head += 1
+    tail = 0
+    while (tail < min(len(ta), len(tb)) - head and ta[len(ta) - 1 - tail] == tb[len(tb) - 1 - tail]):
+        tail += 1
+    lo_a, hi_a, lo_b, hi_b = head, len(ta) - tail, head, len(tb) - tail
+
+    def piece() -> tuple[str, str]:
+        return "".join(ta[lo_a:hi_a]), "".join(tb[lo_b:hi_b])
+
+    grow_left = True
+    while True:
+        old, new = piece()
+        if old.strip() and before.count(old) == 1:
+            return old, new
+        if grow_left and lo_a > 0:
+            lo_a, lo_b = lo_a - 1, lo_b - 1
+        elif hi_a < len(ta):
+            hi_a, hi_b = hi_a + 1, hi_b + 1
+        elif lo_a > 0:
+            lo_a, lo_b = lo_a - 1, lo_b - 1
+        else:
+            return before, after
+        grow_left = not grow_left
+
+
 def wrong_fix(bad: str, good: str, rng: random.Random) -> str:
     """A plausible but wrong version of the line: one operator, comparison or number of the
     correct line changed to something that is neither the bug nor the fix."""
@@ -114,24 +168,47 @@ def plan_kind(rng: random.Random, wrong_fraction: float, recovery_fraction: floa
     return "checked" if rng.random() < check_fraction else "correct"
 
 
-def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random
-                       ) -> Demonstration:
+def _edit(path: str | None, line: int | None, before: str, after: str) -> str:
+    """A ``replace`` call turning ``before`` into ``after``: the whole text, or (with ``line``)
+    the minimal change within that line; ``path`` None relies on the open file."""
+    where: dict[str, object] = {} if path is None else {"path": path}
+    if line is None:
+        return render_tool_call("replace", {**where, "old": before, "new": after})
+    old, new = minimal_edit(before, after)
+    return render_tool_call("replace", {**where, "line": line, "old": old, "new": new})
+
+
+def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random, *,
+                       line_edits: bool = False, implicit_path: bool = False) -> Demonstration:
     """Play one scripted attempt in ``env`` (a ``CodingEnv``); submit is not stepped (its
-    observation is never shown to the policy, and verification would only cost time)."""
-    path, bad, good = bug_line(task)
+    observation is never shown to the policy, and verification would only cost time).
+
+    ``line_edits``: edits name the line and replace only the changed tokens (see
+    ``minimal_edit``); otherwise ``old`` is the whole stripped buggy line. ``implicit_path``:
+    ``view_file`` and ``replace`` leave out ``path`` and act on the environment's open file
+    (the task's first editable file, which is the one with the bug in the built-in suite)."""
+    if line_edits:
+        path, number, bad, good = bug_location(task)
+        line: int | None = number
+    else:
+        path, bad, good = bug_line(task)
+        line = None
     first, _ = env.reset(options={"task_id": task.id})
+    if implicit_path and getattr(env, "open_file", None) != path:
+        raise ValueError(f"task {task.id}: the bug is in {path}, not in the open file")
     wrong = wrong_fix(bad, good, rng)
-    actions = [_call("view_file", path=path)]
+    named: str | None = None if implicit_path else path
+    actions = [_call("view_file") if implicit_path else _call("view_file", path=path)]
     if kind in ("correct", "checked"):
-        actions.append(_call("replace", path=path, old=bad, new=good))
+        actions.append(_edit(named, line, bad, good))
         if kind == "checked":
             actions.append(_call("run_tests"))
     else:
-        actions.append(_call("replace", path=path, old=bad, new=wrong))
+        actions.append(_edit(named, line, bad, wrong))
         if kind in ("wrong_checked", "recovery"):
             actions.append(_call("run_tests"))
         if kind == "recovery":
-            actions.append(_call("replace", path=path, old=wrong, new=good))
+            actions.append(_edit(named, line, wrong, good))
             actions.append(_call("run_tests"))
     turns: list[tuple[str, str | None]] = []
     for action in actions:
@@ -145,7 +222,8 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random
 
 def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                         demos_per_task: int, wrong_fraction: float, recovery_fraction: float,
-                        check_fraction: float, seed: int) -> list[Demonstration]:
+                        check_fraction: float, seed: int, line_edits: bool = False,
+                        implicit_path: bool = False) -> list[Demonstration]:
     """``demos_per_task`` demonstrations of each task, kinds drawn from the fractions."""
     rng = random.Random(seed)
     env = make_env()
@@ -154,10 +232,27 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
         for task in tasks:
             for _ in range(demos_per_task):
                 kind = plan_kind(rng, wrong_fraction, recovery_fraction, check_fraction)
-                demos.append(play_demonstration(task, kind, env, rng))
+                demos.append(play_demonstration(task, kind, env, rng, line_edits=line_edits,
+                                                implicit_path=implicit_path))
     finally:
         env.close()
     return demos
+
+
+def rename_demonstration(demo: Demonstration, old: str, new: str) -> Demonstration:
+    """``demo`` as it would have been played on the task renamed from ``old`` to ``new``: the
+    environment's observations depend on the name only through the texts that
+    ``augment.rename_task`` rewrites, so the same rewrite of every text gives that attempt
+    without playing it again (a test checks this against a replay)."""
+    first = rename_text(demo.first_observation, old, new)
+    head, marker, listing = first.partition("\nFiles:\n")
+    if marker:  # the environment lists files sorted: a new name may change the order
+        first = head + marker + "\n".join(sorted(listing.split("\n")))
+    return dataclasses.replace(
+        demo, task_id=f"{demo.task_id}{RENAMED_MARK}{new}",
+        first_observation=first,
+        turns=tuple((rename_text(a, old, new), None if o is None else rename_text(o, old, new))
+                    for a, o in demo.turns))
 
 
 def demonstration_texts(demos: Sequence[Demonstration]) -> list[str]:
@@ -221,13 +316,27 @@ def _pad(rows: Sequence[tuple[list[int], list[bool]]], pad_id: int
 
 def supervised_finetune(model: torch.nn.Module, sequences: Sequence[tuple[list[int], list[bool]]],
                         *, steps: int, batch_size: int, lr: float, seed: int, pad_id: int,
-                        max_seconds: float | None = None,
+                        max_seconds: float | None = None, observation_weight: float = 0.0,
+                        redraw: Callable[[int, random.Random], tuple[list[int], list[bool]]]
+                        | None = None,
                         on_step: Callable[[int, float], None] | None = None) -> SFTResult:
     """Minimise the mean negative log-likelihood of action tokens (token-mean over the batch),
-    AdamW with linear warm-up and cosine decay to 10%; stops at ``steps`` or ``max_seconds``."""
+    AdamW with linear warm-up and cosine decay to 10%; stops at ``steps`` or ``max_seconds``.
+
+    ``observation_weight`` > 0 adds the token-mean NLL of the context tokens (the task, tool
+    outputs) times that weight: the model also learns to predict what it reads, which teaches
+    a small model to copy names and line numbers far sooner than the actions alone. The
+    reported loss then includes that term.
+
+    ``redraw(i, rng)``, when given, is called for each picked sequence ``i`` and returns the
+    sequence to train on instead (e.g. the demonstration with a fresh name each time it is
+    drawn, so names cannot be memorised)."""
     if not sequences:
         raise ValueError("sequences: no demonstration to train on")
+    if not observation_weight >= 0.0:
+        raise ValueError(f"observation_weight: must be >= 0, got {observation_weight!r}")
     generator = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     warmup = max(1, steps // 20)
 
@@ -249,12 +358,17 @@ def supervised_finetune(model: torch.nn.Module, sequences: Sequence[tuple[list[i
             break
         if cursor + batch_size > len(order):
             order, cursor = torch.randperm(len(sequences), generator=generator), 0
-        picked = [sequences[int(i)] for i in order[cursor:cursor + batch_size]]
+        picked = [sequences[int(i)] if redraw is None else redraw(int(i), rng)
+                  for i in order[cursor:cursor + batch_size]]
         cursor += batch_size
         ids, attention, action = _pad(picked, pad_id)
         logits = model(input_ids=ids, attention_mask=attention).logits
         logprobs = logprobs_from_logits(logits[:, :-1], ids[:, 1:], processing="raw")
         weights = loss_weights(action[:, 1:], "token_mean").float()
+        if observation_weight:
+            # Context tokens (prompts, observations) as a language-modelling side loss.
+            context = (attention[:, 1:].bool() & ~action[:, 1:]).float()
+            weights = weights + observation_weight * context / context.sum().clamp(min=1.0)
         loss = -(weights * logprobs).sum()
         optimizer.zero_grad()
         loss.backward()

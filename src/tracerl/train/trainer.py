@@ -41,12 +41,13 @@ from tracerl.train.algorithms import (
     compute_advantages,
     group_outcome_metrics,
 )
-from tracerl.train.augment import renamed_copies
+from tracerl.train.augment import fresh_name, is_renamed, module_name, renamed_copies
 from tracerl.train.config import TrainConfig, dump_config
 from tracerl.train.metrics import MetricsWriter, StepProgress
 from tracerl.train.sft import (
     demonstration_texts,
     make_demonstrations,
+    rename_demonstration,
     supervised_finetune,
     tokenize_demonstration,
 )
@@ -210,11 +211,15 @@ class Trainer:
         if config.model.path is not None:
             return self._load_model(Path(config.model.path))
         from tracerl.models.tiny import TinyModelConfig, build_tiny_model, train_tokenizer
+        from tracerl.models.words import WORDS
 
-        texts = demonstration_texts(self.demonstrations())
+        # The tokenizer learns from the original tasks only: the fresh names of renamed copies
+        # then stay split into small pieces, exactly like the names of held-out tasks, and the
+        # policy has to learn to copy pieces rather than recall one token per name.
+        texts = demonstration_texts([d for d in self.demonstrations() if not is_renamed(d.task_id)])
         if config.rollout.system_prompt:
             texts.append(config.rollout.system_prompt)
-        tokenizer = train_tokenizer(texts, vocab_size=config.model.vocab_size)
+        tokenizer = train_tokenizer(texts, vocab_size=config.model.vocab_size, words=WORDS)
         shape = TinyModelConfig(
             hidden_size=config.model.hidden_size, num_layers=config.model.num_layers,
             num_heads=config.model.num_heads, intermediate_size=config.model.intermediate_size,
@@ -229,7 +234,8 @@ class Trainer:
                 self.train_tasks, self.make_env_factory(self.train_tasks),
                 demos_per_task=sft.demos_per_task, wrong_fraction=sft.wrong_edit_fraction,
                 recovery_fraction=sft.recovery_fraction, check_fraction=sft.check_fraction,
-                seed=self.config.seed)
+                seed=self.config.seed, line_edits=sft.line_edits,
+                implicit_path=sft.implicit_path)
         return self._demos
 
     def chat_tokens(self) -> ChatTokens:
@@ -246,12 +252,24 @@ class Trainer:
         """Supervised fine-tuning on the demonstrations; saves the result to ``sft/``."""
         sft = self.config.sft
         chat = self.chat_tokens()
-        sequences = [tokenize_demonstration(d, chat, self.tokenizer) for d in self.demonstrations()]
+        demos = self.demonstrations()
+        sequences = [tokenize_demonstration(d, chat, self.tokenizer) for d in demos]
+        modules = {t.id: module_name(t) for t in self.train_tasks}
+        names = random.Random(f"{self.config.seed}:fresh-names")
+
+        def redraw(index: int, rng: random.Random) -> tuple[list[int], list[bool]]:
+            if rng.random() >= sft.fresh_names:
+                return sequences[index]
+            demo = demos[index]
+            renamed = rename_demonstration(demo, modules[demo.task_id], fresh_name(names))
+            return tokenize_demonstration(renamed, chat, self.tokenizer)
+
         kinds = Counter(d.kind for d in self.demonstrations())
         result = supervised_finetune(
             self.actor.policy, sequences, steps=sft.steps, batch_size=sft.batch_size, lr=sft.lr,
             seed=self.config.seed, pad_id=int(self.tokenizer.pad_token_id),
-            max_seconds=sft.max_seconds)
+            max_seconds=sft.max_seconds, observation_weight=sft.observation_weight,
+            redraw=redraw if sft.fresh_names > 0 else None)
         directory = self.run_dir / "sft"
         self.actor.policy.save_pretrained(directory)  # type: ignore[operator]
         self.tokenizer.save_pretrained(directory)
