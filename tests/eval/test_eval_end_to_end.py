@@ -184,3 +184,30 @@ def test_export_of_the_heldout_split_is_accepted_by_the_cli(tmp_path: Path) -> N
     path = tmp_path / "heldout.jsonl"
     assert dump_tasks(generate_split("heldout", seed=0, count=2), path) == 2
     assert len(load_tasks(path)) == 2
+
+
+def test_a_checkpoint_is_evaluated_with_the_conversation_format_it_was_trained_on(
+        task_file: Path, policy_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from tracerl.envs.sandbox import Sandbox
+    from tracerl.envs.tasks import load_tasks
+    from tracerl.eval.evaluate import EvalSettings, collect_attempts, load_policy
+    from tracerl.rollout.chat_tokens import write_conversation
+    from tracerl.trace.schema import Role
+
+    trained = tmp_path / "trained"
+    shutil.copytree(policy_dir, trained)
+    write_conversation(trained, tool_schemas_in_prompt=False, system_prompt="Fix it.")
+    tasks = list(load_tasks(task_file))[:1]
+    settings = EvalSettings(samples=1, temperature=1.0, max_turns=1,
+                            max_new_tokens_per_turn=4, max_new_tokens=16)
+    prompts = {}
+    for name, directory in (("plain", policy_dir), ("trained", trained)):
+        policy = load_policy(directory)
+        attempts, _ = collect_attempts(policy, tasks, settings, sandbox=Sandbox())
+        first = attempts[0].fragments[0].turns[0].segments[0]
+        assert first.role is Role.PROMPT
+        prompts[name] = policy.decode(first.token_ids.tolist())
+    assert "Tools:" in prompts["plain"] and "view_file" in prompts["plain"]
+    assert "Tools:" not in prompts["trained"] and "Fix it." in prompts["trained"]

@@ -24,6 +24,7 @@ from tracerl.envs.sandbox import Sandbox
 from tracerl.envs.tasks import Task
 from tracerl.eval.judge import Judge, JudgeConfig, independence_warning
 from tracerl.eval.summary import summarize
+from tracerl.rollout.chat_tokens import read_conversation
 from tracerl.rollout.collector import Collector, CollectorConfig
 from tracerl.rollout.sampling import SamplingParams
 from tracerl.trace.schema import Attempt, Role
@@ -96,7 +97,10 @@ def load_policy(path: str | Path) -> Any:
         raise ValueError(f"--policy {str(directory)!r}: could not be loaded: "
                          f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
                          ) from None
-    return HFPolicy(model, tokenizer)
+    policy = HFPolicy(model, tokenizer)
+    # How the checkpoint was trained to see its conversations (None: not by tracerl).
+    policy.conversation = read_conversation(directory)  # type: ignore[attr-defined]
+    return policy
 
 
 def training_cost(policy_dir: str | Path) -> dict[str, Any] | None:
@@ -151,10 +155,14 @@ def collect_attempts(policy: Any, tasks: Sequence[Task], settings: EvalSettings,
                      store_dir: str | Path | None = None, run_id: str = "eval",
                      progress: bool = False) -> tuple[list[Attempt], float]:
     """Run ``settings.samples`` attempts per task; returns them and the wall seconds."""
+    conversation = getattr(policy, "conversation", None) or {}
     config = CollectorConfig(
         sampling=settings.sampling(), max_turns=settings.max_turns,
         max_new_tokens=settings.max_new_tokens, max_seconds=settings.max_seconds,
-        seed=settings.seed, progress=progress, verify_truncated=True)
+        seed=settings.seed, progress=progress, verify_truncated=True,
+        # A tracerl checkpoint is evaluated with the conversation format it was trained on.
+        tools=None if conversation.get("tool_schemas_in_prompt", True) else (),
+        system_prompt=conversation.get("system_prompt"))
     store = TraceStore(store_dir) if store_dir is not None else None
     started = time.perf_counter()
     try:

@@ -18,8 +18,31 @@ conversations, which works for any template that only appends when a message is 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, Protocol
+
+CONVERSATION_FILE = "tracerl_conversation.json"
+"""Written beside a trained checkpoint: how its conversations were rendered (tool schemas in
+the prompt or not, the system prompt), so an evaluation renders them the same way."""
+
+
+def write_conversation(directory: str | Path, *, tool_schemas_in_prompt: bool,
+                       system_prompt: str | None) -> None:
+    """Record the conversation format a policy was trained with in ``directory``."""
+    record = {"tool_schemas_in_prompt": tool_schemas_in_prompt, "system_prompt": system_prompt}
+    (Path(directory) / CONVERSATION_FILE).write_text(json.dumps(record), encoding="utf-8")
+
+
+def read_conversation(directory: str | Path) -> dict[str, Any] | None:
+    """The recorded conversation format of a checkpoint, or None when it has none (a model
+    not trained by tracerl: the environment's tool schemas go in the prompt)."""
+    path = Path(directory) / CONVERSATION_FILE
+    if not path.is_file():
+        return None
+    record: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return record
 
 ObservationRole = Literal["tool", "user"]
 """Chat role that carries the environment's observations."""

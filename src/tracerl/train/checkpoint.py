@@ -63,8 +63,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, state: TrainerState, model: Any, tokenizer: Any,
-                    extra: dict[str, Any]) -> Path:
-    """Write checkpoint ``state.step`` atomically; returns its directory."""
+                    extra: dict[str, Any], files: dict[str, str] | None = None) -> Path:
+    """Write checkpoint ``state.step`` atomically; returns its directory. ``files``: more
+    text files to put in it (name -> content)."""
     root = Path(run_dir) / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{state.step:06d}"
@@ -74,6 +75,8 @@ def save_checkpoint(run_dir: str | Path, state: TrainerState, model: Any, tokeni
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     torch.save({"state": state.__dict__, "rng": rng_state(), **extra}, tmp / "trainer.pt")
+    for name, content in (files or {}).items():
+        (tmp / name).write_text(content, encoding="utf-8")
     _fsync_tree(tmp)
     if final.exists():  # the same step saved again after a restart: replace it whole
         shutil.rmtree(final)

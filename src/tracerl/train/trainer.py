@@ -31,7 +31,7 @@ from tracerl.envs import CodingEnv, Sandbox, Task, load_tasks
 from tracerl.envs.suite import generate_split
 from tracerl.envs.tools import parse_tool_call
 from tracerl.rollout import HFPolicy, SamplingParams
-from tracerl.rollout.chat_tokens import ChatTokens
+from tracerl.rollout.chat_tokens import CONVERSATION_FILE, ChatTokens, write_conversation
 from tracerl.rollout.collector import Collector, CollectorConfig
 from tracerl.rollout.compaction import CompactionConfig
 from tracerl.trace import Attempt, PackedBatch, Role, TraceStore, Turn, pack, read_attempts
@@ -273,6 +273,7 @@ class Trainer:
         directory = self.run_dir / "sft"
         self.actor.policy.save_pretrained(directory)  # type: ignore[operator]
         self.tokenizer.save_pretrained(directory)
+        self.write_conversation(directory)
         record = {"steps": result.steps, "seconds": result.seconds,
                   "final_loss": result.final_loss, "demonstrations": dict(kinds),
                   "losses": list(result.losses)}
@@ -281,6 +282,11 @@ class Trainer:
         self.metrics.write(0, {"sft": {k: v for k, v in record.items() if k != "losses"}},
                            kind="sft")
         self.log(f"SFT: {result.steps} steps in {result.seconds:.0f}s, loss {result.final_loss:.3f}")
+
+    def write_conversation(self, directory: Path) -> None:
+        """Record how this run renders conversations beside a saved policy."""
+        write_conversation(directory, tool_schemas_in_prompt=self.config.rollout.show_tool_schemas,
+                           system_prompt=self.config.rollout.system_prompt)
 
     # -- collect ------------------------------------------------------------------------------
 
@@ -603,8 +609,11 @@ class Trainer:
         extra = {"optimizer": self.optimizer.state_dict(),
                  "critic": self.actor.critic_state() if self.actor.has_critic else None,
                  "generator": self.generator.get_state()}
+        rollout = self.config.rollout
+        conversation = {"tool_schemas_in_prompt": rollout.show_tool_schemas,
+                        "system_prompt": rollout.system_prompt}
         path = ckpt.save_checkpoint(self.run_dir, self.state, self.actor.policy, self.tokenizer,
-                                    extra)
+                                    extra, files={CONVERSATION_FILE: json.dumps(conversation)})
         ckpt.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
         return path
 
