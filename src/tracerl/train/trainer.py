@@ -97,10 +97,13 @@ class Trainer:
                     attempts, collect_metrics = self.collect(self.state.step)
                 with self.phase("verify"):
                     batch, verify_metrics = self.verify(attempts)
-                with self.phase("advantages"):
-                    rows, advantage_metrics = self.advantages(batch)
-                with self.phase("update"):
-                    update_metrics = self.update(rows, batch)
+                advantage_metrics: dict[str, Any] = {}
+                update_metrics: dict[str, Any] = {"update": {"skipped": True}}
+                if batch is not None:  # else every group was uniform: nothing to learn from
+                    with self.phase("advantages"):
+                        rows, advantage_metrics = self.advantages(batch)
+                    with self.phase("update"):
+                        update_metrics = self.update(rows, batch)
                 metrics = {**collect_metrics, **verify_metrics, **advantage_metrics,
                            **update_metrics}
                 if self.config.eval.every and (self.state.step + 1) % self.config.eval.every == 0:
@@ -339,6 +342,7 @@ class Trainer:
         rollout, dynamic = self.config.rollout, self.config.dynamic
         stored = self._stored_groups(step)
         kept: list[Attempt] = []
+        spent: list[Attempt] = []  # every attempt of the step, filtered or not: what it cost
         filtered = Counter[str]()
         used: set[str] = set()
         seconds: dict[str, float] = defaultdict(float)
@@ -376,6 +380,7 @@ class Trainer:
                 attempts.extend(result.attempts)
                 seconds["generation"] += result.generation_seconds
                 seconds["wall"] += result.wall_seconds
+            spent.extend(attempts)
             for members in _by_group(attempts).values():
                 rewards = [a.reward for a in members if a.reward is not None]
                 uniform = len(set(rewards)) <= 1
@@ -392,6 +397,7 @@ class Trainer:
                                                "filtered_all_one": filtered["all_one"],
                                                "rounds": len(used) and round_index + 1},
                                    "time": {"generation_seconds": seconds["generation"]}}
+        self.collected = spent
         return kept, metrics
 
     def _stored_groups(self, step: int) -> dict[str, list[Attempt]]:
@@ -407,32 +413,39 @@ class Trainer:
 
     # -- verify -------------------------------------------------------------------------------
 
-    def verify(self, attempts: list[Attempt]) -> tuple[PackedBatch, dict[str, Any]]:
+    def verify(self, attempts: list[Attempt]) -> tuple[PackedBatch | None, dict[str, Any]]:
         """Outcomes, audit flags, process rewards and treatments → the packed batch.
 
         The sandboxed verifier itself ran during collection (at submit, or on the files a
         truncated attempt left), overlapping with generation; this phase reads its verdicts,
         counts audit flags (a flagged attempt's reward is already 0), adds process rewards if
-        configured, and applies each ending's treatment while packing.
+        configured, and applies each ending's treatment while packing. The batch is None when
+        dynamic sampling kept no group (all were uniform and no refill found a mixed one).
         """
         if self.config.rollout.process_reward:
             attempts = [self._with_process_rewards(a) for a in attempts]
-        flagged = sum(1 for a in attempts if a.audit is not None and a.audit.flagged)
         batch = pack(attempts, has_critic=self.actor.has_critic,
-                     pad_token_id=int(self.tokenizer.pad_token_id))
+                     pad_token_id=int(self.tokenizer.pad_token_id)) if attempts else None
+        # Outcomes, endings and costs are those of every attempt collected this step, also the
+        # ones in uniform groups that dynamic sampling kept out of the batch: they were
+        # generated, and leaving them out would overstate the policy's variety and understate
+        # what the step cost.
+        packed = attempts
+        attempts = list(getattr(self, "collected", None) or attempts)
+        flagged = sum(1 for a in attempts if a.audit is not None and a.audit.flagged)
         rewards = [a.reward for a in attempts if a.reward is not None]
         successes = [float(a.verifier is not None and a.verifier.passed and (a.reward or 0) > 0)
                      for a in attempts]
         endings = Counter(a.end_reason.value for a in attempts)
         per = lambda values: sum(values) / max(1, len(values))  # noqa: E731
-        scored = batch.attempt_scored
         metrics: dict[str, Any] = {
             "reward": {"mean": per(rewards)},
             "success": {"mean": per(successes)},
             "endings": dict(endings),
-            "attempts": {"collected": len(attempts), "in_batch": batch.report.attempts,
-                         "excluded": sum(batch.report.excluded.values()),
-                         "dropped_groups": len(batch.report.dropped_groups),
+            "attempts": {"collected": len(attempts), "trained_on": len(packed),
+                         "in_batch": batch.report.attempts if batch else 0,
+                         "excluded": sum(batch.report.excluded.values()) if batch else 0,
+                         "dropped_groups": len(batch.report.dropped_groups) if batch else 0,
                          "audit_flagged": flagged},
             "horizon": {
                 "tokens": per([a.costs.generated_tokens for a in attempts]),
@@ -442,9 +455,13 @@ class Trainer:
             "costs": {"generated_tokens": sum(a.costs.generated_tokens for a in attempts),
                       "tool_seconds": sum(a.costs.tool_seconds for a in attempts)},
         }
-        if bool(scored.any()):
-            groups = group_outcome_metrics(batch.attempt_rewards[scored],
-                                           batch.attempt_group_index[scored])
+        outcomes = [(a.group_id, float(a.reward)) for a in attempts if a.reward is not None
+                    and a.end_reason.value not in ("tool_error", "cancelled")]
+        if outcomes:
+            index = {g: i for i, g in enumerate(dict.fromkeys(g for g, _ in outcomes))}
+            groups = group_outcome_metrics(
+                torch.tensor([r for _, r in outcomes], dtype=torch.float64),
+                torch.tensor([index[g] for g, _ in outcomes]))
             total = max(1.0, groups["groups/count"])
             metrics["groups"] = {"count": groups["groups/count"],
                                  "uniform_rate": groups["groups/uniform_fraction"],
