@@ -98,14 +98,27 @@ def test_compare_reports_budgets_and_flags_unmatched_ones(tmp_path: Path) -> Non
     ppo = make_run(tmp_path / "ppo", estimator="gae", critic="value_head", steps=4, seed=2)
     rows, warnings = compare_runs([grpo, ppo])
     assert [r.estimator for r in rows] == ["grpo", "gae"]
-    assert rows[0].rollouts == 4 * 32 and rows[0].terminated == 4 * 28
-    assert rows[0].generated_tokens == rows[1].generated_tokens == 4 * 32 * 40
+    # Counts come from each run's trace store, which holds every attempt generated.
+    from tracerl.trace.cli import store_stats
+
+    for row, run in zip(rows, (grpo, ppo), strict=True):
+        stats = store_stats(str(run / "traces"))
+        assert row.rollouts == stats["attempts"] == 4 * 32
+        assert row.terminated == stats["endings"].get("terminated", 0)
+        assert row.generated_tokens == stats["costs"]["generated_tokens"]
     assert not [w for w in warnings if "matched-budget" in w]
     table = format_table(rows)
     assert "0.450 [0.300, 0.600]" in table and "grpo" in table
+    # Without a store, the metrics are the source.
     costly = make_run(tmp_path / "ppo8", estimator="gae", critic="value_head", steps=4, seed=2,
                       tokens_per_attempt=80)
-    _, warnings = compare_runs([grpo, costly])
+    bare = make_run(tmp_path / "grpo_bare", estimator="grpo", critic="none", steps=4, seed=1)
+    for run in (costly, bare):
+        shutil.rmtree(run / "traces")
+    (row,), _ = compare_runs([bare])
+    assert row.rollouts == 4 * 32 and row.terminated == 4 * 28
+    assert row.generated_tokens == 4 * 32 * 40
+    _, warnings = compare_runs([bare, costly])
     assert any("generated tokens differ by 100%" in w for w in warnings)
 
 

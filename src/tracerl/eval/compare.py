@@ -72,6 +72,16 @@ def _pair(value: Any) -> tuple[float, float] | None:
     return None
 
 
+def _store_counts(directory: Path) -> dict[str, Any] | None:
+    """Attempts, endings and costs of a run's training trace store, or None without one."""
+    if not directory.is_dir():
+        return None
+    from tracerl.trace.cli import store_stats
+
+    stats = store_stats(str(directory))
+    return stats if stats["attempts"] else None
+
+
 def run_row(run: RunFiles) -> RunRow:
     """The comparison row of one run directory."""
     summary, metrics = run.summary, run.metrics
@@ -85,6 +95,13 @@ def run_row(run: RunFiles) -> RunRow:
     if success is None and run.evaluations:  # fall back on an eval*.json in the run dir
         last = run.evaluations[sorted(run.evaluations)[-1]]
         success, ci95 = number(last.get("success")), _pair(last.get("ci95"))
+    generated = total(metrics, TOKEN_KEYS) if metrics else number(summary.get("generated_tokens"))
+    tool = total(metrics, TOOL_KEYS) if metrics else number(summary.get("tool_seconds"))
+    terminated = endings.get("terminated", 0.0) if endings else None
+    stored = _store_counts(run.path / "traces")
+    if stored is not None:  # the store holds every attempt generated: the first source
+        rollouts, terminated = stored["attempts"], stored["endings"].get("terminated", 0)
+        generated, tool = stored["costs"]["generated_tokens"], stored["costs"]["tool_seconds"]
     estimator = _get(run.config, "algorithm.estimator")
     critic = _get(run.config, "critic.kind")
     return RunRow(
@@ -95,10 +112,9 @@ def run_row(run: RunFiles) -> RunRow:
         success_before=number(summary.get("heldout_success_before")),
         greedy=number(summary.get("heldout_greedy_after")),
         rollouts=rollouts,
-        terminated=endings.get("terminated", 0.0) if endings else None,
-        generated_tokens=total(metrics, TOKEN_KEYS) if metrics else number(
-            summary.get("generated_tokens")),
-        tool_seconds=total(metrics, TOOL_KEYS) if metrics else number(summary.get("tool_seconds")),
+        terminated=terminated,
+        generated_tokens=generated,
+        tool_seconds=tool,
         train_seconds=total(metrics, TRAIN_KEYS),
         wall_seconds=number(summary.get("wall_seconds")),
     )
