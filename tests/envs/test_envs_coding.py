@@ -202,3 +202,18 @@ def test_replace_scoped_to_one_line(env: CodingEnv) -> None:
     after = env.workspace.read(module).splitlines()
     assert after[number - 1] == target.replace(token, "return  ", 1)
     assert after[:number - 1] == lines[:number - 1] and after[number:] == lines[number:]
+
+
+def test_a_dropped_env_removes_its_workspace(sandbox: Sandbox) -> None:
+    import gc
+
+    environment = CodingEnv(generate_split("train", count=2), sandbox=sandbox)
+    environment.reset(options={"task_index": 0})
+    assert environment.workspace is not None
+    root = environment.workspace.root
+    environment.reset(options={"task_index": 1})  # the first attempt's workspace is gone
+    assert not root.exists()
+    root = environment.workspace.root
+    del environment
+    gc.collect()
+    assert not root.exists()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, SupportsFloat
@@ -111,6 +112,8 @@ class CodingEnv(gym.Env[str, str]):
         self._cleanup()
         task = self.tasks[index]
         root = Path(tempfile.mkdtemp(prefix="tracerl-attempt-"))
+        # An env dropped without close() (or a process ending normally) still removes it.
+        self._remove_workspace = weakref.finalize(self, shutil.rmtree, root, ignore_errors=True)
         write_files(root, task.files)
         self.task, self.workspace = task, Workspace(root)
         editable = [p for p in sorted(task.files) if p not in task.protected]
@@ -240,7 +243,7 @@ class CodingEnv(gym.Env[str, str]):
 
     def _cleanup(self) -> None:
         if self.workspace is not None:
-            shutil.rmtree(self.workspace.root, ignore_errors=True)
+            self._remove_workspace()  # runs once; also at garbage collection or exit
             self.workspace = None
 
     def close(self) -> None:
