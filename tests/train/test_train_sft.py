@@ -136,6 +136,12 @@ def test_observation_weight_and_redraw() -> None:
                                  pad_id=tokenizer.pad_token_id, observation_weight=0.5,
                                  redraw=redraw)
     assert drawn == [0, 0] and result.steps == 2
+    # The context term is in the loss: the same step with and without it differs.
+    fresh = [build_tiny_model(tokenizer) for _ in range(2)]
+    losses = [supervised_finetune(m, [sequence], steps=1, batch_size=1, lr=1e-3, seed=0,
+                                  pad_id=tokenizer.pad_token_id, observation_weight=w).losses[0]
+              for m, w in zip(fresh, (0.0, 1.0), strict=True)]
+    assert losses[1] > losses[0] > 0
     with pytest.raises(ValueError, match="observation_weight"):
         supervised_finetune(model, [sequence], steps=1, batch_size=1, lr=1e-3, seed=0,
                             pad_id=tokenizer.pad_token_id, observation_weight=-1.0)

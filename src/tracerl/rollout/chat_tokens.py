@@ -28,11 +28,18 @@ CONVERSATION_FILE = "tracerl_conversation.json"
 the prompt or not, the system prompt), so an evaluation renders them the same way."""
 
 
+def conversation_json(*, tool_schemas_in_prompt: bool, system_prompt: str | None) -> str:
+    """The content of ``CONVERSATION_FILE`` for a policy trained with this format."""
+    return json.dumps({"tool_schemas_in_prompt": tool_schemas_in_prompt,
+                       "system_prompt": system_prompt})
+
+
 def write_conversation(directory: str | Path, *, tool_schemas_in_prompt: bool,
                        system_prompt: str | None) -> None:
     """Record the conversation format a policy was trained with in ``directory``."""
-    record = {"tool_schemas_in_prompt": tool_schemas_in_prompt, "system_prompt": system_prompt}
-    (Path(directory) / CONVERSATION_FILE).write_text(json.dumps(record), encoding="utf-8")
+    (Path(directory) / CONVERSATION_FILE).write_text(
+        conversation_json(tool_schemas_in_prompt=tool_schemas_in_prompt,
+                          system_prompt=system_prompt), encoding="utf-8")
 
 
 def read_conversation(directory: str | Path) -> dict[str, Any] | None:

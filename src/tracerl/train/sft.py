@@ -58,23 +58,6 @@ _SWAPS: tuple[tuple[str, ...], ...] = (
 )
 
 
-def bug_line(task: Task) -> tuple[str, str, str]:
-    """(file, buggy text, fixed text): the one line the solution changes, stripped of
-    indentation (the shortest edit the ``replace`` tool accepts when it is unique)."""
-    if not task.solution:
-        raise ValueError(f"task {task.id}: a demonstration needs the task's solution")
-    for path, fixed in task.solution.items():
-        original = task.files.get(path, "")
-        old_lines, new_lines = original.splitlines(), fixed.splitlines()
-        changed = [(a, b) for a, b in zip(old_lines, new_lines, strict=False) if a != b]
-        if len(changed) == 1 and len(old_lines) == len(new_lines):
-            bad, good = changed[0][0].strip(), changed[0][1].strip()
-            if original.count(bad) == 1:
-                return path, bad, good
-            return path, changed[0][0], changed[0][1]
-    raise ValueError(f"task {task.id}: the solution does not change exactly one line")
-
-
 def bug_location(task: Task) -> tuple[str, int, str, str]:
     """(file, 1-based line number, buggy line, fixed line) of the one line the solution
     changes, lines given in full (indentation included)."""
@@ -88,6 +71,19 @@ def bug_location(task: Task) -> tuple[str, int, str, str]:
     raise ValueError(f"task {task.id}: the solution does not change exactly one line")
 
 
+def bug_line(task: Task) -> tuple[str, str, str]:
+    """(file, buggy text, fixed text): the one line the solution changes, stripped of
+    indentation (the shortest edit the ``replace`` tool accepts when it is unique)."""
+    path, _, bad, good = bug_location(task)
+    if task.files[path].count(bad.strip()) == 1:
+        return path, bad.strip(), good.strip()
+    return path, bad, good
+
+
+_PIECE = re.compile(r"\s+|\w+|[^\w\s]+")
+"""Pieces of a line for ``minimal_edit``: whitespace runs, words, symbol runs."""
+
+
 def minimal_edit(before: str, after: str) -> tuple[str, str]:
     """The shortest (old, new) pair, on token boundaries, that turns the line ``before`` into
     ``after`` with one replacement, ``old`` occurring exactly once in ``before``.
@@ -97,9 +93,7 @@ def minimal_edit(before: str, after: str) -> tuple[str, str]:
     left then right."""
     if before == after:
         raise ValueError("minimal_edit: the lines are equal; there is nothing to replace")
-    a = [m.span() for m in re.finditer(r"\s+|\w+|[^\w\s]+", before)]
-    b = [m.span() for m in re.finditer(r"\s+|\w+|[^\w\s]+", after)]
-    ta, tb = [before[i:j] for i, j in a], [after[i:j] for i, j in b]
+    ta, tb = _PIECE.findall(before), _PIECE.findall(after)
     head = 0
     while head < min(len(ta), len(tb)) and ta[head] == tb[head]:
         head += 1
@@ -198,7 +192,7 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
         raise ValueError(f"task {task.id}: the bug is in {path}, not in the open file")
     wrong = wrong_fix(bad, good, rng)
     named: str | None = None if implicit_path else path
-    actions = [_call("view_file") if implicit_path else _call("view_file", path=path)]
+    actions = [render_tool_call("view_file", {} if named is None else {"path": named})]
     if kind in ("correct", "checked"):
         actions.append(_edit(named, line, bad, good))
         if kind == "checked":

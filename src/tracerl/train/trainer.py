@@ -31,7 +31,12 @@ from tracerl.envs import CodingEnv, Sandbox, Task, load_tasks
 from tracerl.envs.suite import generate_split
 from tracerl.envs.tools import parse_tool_call
 from tracerl.rollout import HFPolicy, SamplingParams
-from tracerl.rollout.chat_tokens import CONVERSATION_FILE, ChatTokens, write_conversation
+from tracerl.rollout.chat_tokens import (
+    CONVERSATION_FILE,
+    ChatTokens,
+    conversation_json,
+    write_conversation,
+)
 from tracerl.rollout.collector import Collector, CollectorConfig
 from tracerl.rollout.compaction import CompactionConfig
 from tracerl.trace import Attempt, PackedBatch, Role, TraceStore, Turn, pack, read_attempts
@@ -94,9 +99,9 @@ class Trainer:
             while self.state.step < self.config.steps and self.time_left_for_step():
                 step_started = time.perf_counter()
                 with self.phase("collect"):
-                    attempts, collect_metrics = self.collect(self.state.step)
+                    attempts, collected, collect_metrics = self.collect(self.state.step)
                 with self.phase("verify"):
-                    batch, verify_metrics = self.verify(attempts)
+                    batch, verify_metrics = self.verify(attempts, collected)
                 advantage_metrics: dict[str, Any] = {}
                 update_metrics: dict[str, Any] = {"update": {"skipped": True}}
                 if batch is not None:  # else every group was uniform: nothing to learn from
@@ -276,7 +281,8 @@ class Trainer:
         directory = self.run_dir / "sft"
         self.actor.policy.save_pretrained(directory)  # type: ignore[operator]
         self.tokenizer.save_pretrained(directory)
-        self.write_conversation(directory)
+        write_conversation(directory, tool_schemas_in_prompt=self.config.rollout.show_tool_schemas,
+                           system_prompt=self.config.rollout.system_prompt)
         record = {"steps": result.steps, "seconds": result.seconds,
                   "final_loss": result.final_loss, "demonstrations": dict(kinds),
                   "losses": list(result.losses)}
@@ -285,11 +291,6 @@ class Trainer:
         self.metrics.write(0, {"sft": {k: v for k, v in record.items() if k != "losses"}},
                            kind="sft")
         self.log(f"SFT: {result.steps} steps in {result.seconds:.0f}s, loss {result.final_loss:.3f}")
-
-    def write_conversation(self, directory: Path) -> None:
-        """Record how this run renders conversations beside a saved policy."""
-        write_conversation(directory, tool_schemas_in_prompt=self.config.rollout.show_tool_schemas,
-                           system_prompt=self.config.rollout.system_prompt)
 
     # -- collect ------------------------------------------------------------------------------
 
@@ -337,8 +338,11 @@ class Trainer:
         chosen = [t for t in order[start:start + count] if t.id not in exclude]
         return chosen or rng.sample(pool, min(count, len(pool)))
 
-    def collect(self, step: int) -> tuple[list[Attempt], dict[str, Any]]:
-        """Collect the step's groups, reusing complete groups a killed run already stored."""
+    def collect(self, step: int) -> tuple[list[Attempt], list[Attempt], dict[str, Any]]:
+        """Collect the step's groups, reusing complete groups a killed run already stored.
+
+        Returns the attempts to train on (uniform groups left out when dynamic sampling filters
+        them), every attempt the step produced (for outcomes and costs), and metrics."""
         rollout, dynamic = self.config.rollout, self.config.dynamic
         stored = self._stored_groups(step)
         kept: list[Attempt] = []
@@ -397,8 +401,7 @@ class Trainer:
                                                "filtered_all_one": filtered["all_one"],
                                                "rounds": len(used) and round_index + 1},
                                    "time": {"generation_seconds": seconds["generation"]}}
-        self.collected = spent
-        return kept, metrics
+        return kept, spent, metrics
 
     def _stored_groups(self, step: int) -> dict[str, list[Attempt]]:
         """Groups of ``step`` a previous process stored before it died (empty normally)."""
@@ -413,7 +416,8 @@ class Trainer:
 
     # -- verify -------------------------------------------------------------------------------
 
-    def verify(self, attempts: list[Attempt]) -> tuple[PackedBatch | None, dict[str, Any]]:
+    def verify(self, attempts: list[Attempt], collected: Sequence[Attempt] = ()
+               ) -> tuple[PackedBatch | None, dict[str, Any]]:
         """Outcomes, audit flags, process rewards and treatments → the packed batch.
 
         The sandboxed verifier itself ran during collection (at submit, or on the files a
@@ -431,7 +435,7 @@ class Trainer:
         # generated, and leaving them out would overstate the policy's variety and understate
         # what the step cost.
         packed = attempts
-        attempts = list(getattr(self, "collected", None) or attempts)
+        attempts = list(collected or attempts)
         flagged = sum(1 for a in attempts if a.audit is not None and a.audit.flagged)
         rewards = [a.reward for a in attempts if a.reward is not None]
         successes = [float(a.verifier is not None and a.verifier.passed and (a.reward or 0) > 0)
@@ -627,10 +631,10 @@ class Trainer:
                  "critic": self.actor.critic_state() if self.actor.has_critic else None,
                  "generator": self.generator.get_state()}
         rollout = self.config.rollout
-        conversation = {"tool_schemas_in_prompt": rollout.show_tool_schemas,
-                        "system_prompt": rollout.system_prompt}
+        conversation = conversation_json(tool_schemas_in_prompt=rollout.show_tool_schemas,
+                                         system_prompt=rollout.system_prompt)
         path = ckpt.save_checkpoint(self.run_dir, self.state, self.actor.policy, self.tokenizer,
-                                    extra, files={CONVERSATION_FILE: json.dumps(conversation)})
+                                    extra, files={CONVERSATION_FILE: conversation})
         ckpt.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
         return path
 
