@@ -141,7 +141,7 @@ def measure_shape(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls of batch_gae")
+    parser.add_argument("--repeats", type=int, default=60, help="timed calls of batch_gae")
     parser.add_argument("--loop-repeats", type=int, default=3, help="timed calls of the loops")
     parser.add_argument("--gamma", type=float, default=0.99)
     parser.add_argument("--trace-decay", type=float, default=0.95)
