@@ -286,6 +286,10 @@ class TrainConfig:
     """RL steps (collect, verify, advantages, update)."""
     max_seconds: float | None = None
     """Stop RL after this many seconds (the step in progress finishes)."""
+    max_generated_tokens: int | None = None
+    """Stop RL at the step boundary nearest to this many generated tokens (every collected
+    attempt counts, kept or filtered): the budget that makes two designs comparable, since
+    equal steps or attempts can differ in tokens by a third (``tracerl compare`` checks it)."""
     checkpoint_every: int = 1
     """Checkpoint every this many steps (the last step is always saved)."""
     keep_checkpoints: int = 2
@@ -490,6 +494,9 @@ def validate(config: TrainConfig) -> None:
     if not config.sft.observation_weight >= 0.0:
         raise ValueError(f"sft.observation_weight: must be >= 0, "
                          f"got {config.sft.observation_weight}")
+    if config.max_generated_tokens is not None and config.max_generated_tokens < 1:
+        raise ValueError(f"max_generated_tokens: must be >= 1 or null, "
+                         f"got {config.max_generated_tokens}")
     if config.tasks.renamed_copies < 0:
         raise ValueError(f"tasks.renamed_copies: must be >= 0, got {config.tasks.renamed_copies}")
     if config.sft.steps < 0:

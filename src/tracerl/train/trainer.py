@@ -96,7 +96,8 @@ class Trainer:
         before = self.evaluate_once("before")
         with StepProgress(self.config.steps, enabled=self.config.progress,
                           done=self.state.step) as progress:
-            while self.state.step < self.config.steps and self.time_left_for_step():
+            while (self.state.step < self.config.steps and self.time_left_for_step()
+                   and self.tokens_left_for_step()):
                 step_started = time.perf_counter()
                 with self.phase("collect"):
                     attempts, collected, collect_metrics = self.collect(self.state.step)
@@ -620,7 +621,7 @@ class Trainer:
                  f"(collect {self.timings['collect']:.0f}s, update "
                  f"{self.timings['update']:.0f}s so far)")
         self.state.step += 1
-        last = self.state.step >= self.config.steps
+        last = self.state.step >= self.config.steps or not self.tokens_left_for_step()
         if last or self.state.step % self.config.checkpoint_every == 0:
             with self.phase("checkpoint"):
                 self.save()
@@ -648,6 +649,17 @@ class Trainer:
         # The final evaluation costs about what the first one did (same budget, same tasks).
         final_eval = self.timings.get("evaluate_before", 0.0)
         return used + per_step + final_eval < budget
+
+    def tokens_left_for_step(self) -> bool:
+        """Whether another step brings the generated tokens nearer to ``max_generated_tokens``
+        than stopping now: steps are whole, so the run ends at the boundary nearest to the
+        budget (judged by the mean tokens per step so far, which are in the resumable state)."""
+        budget = self.config.max_generated_tokens
+        if budget is None:
+            return True
+        generated = self.state.totals.get("generated_tokens", 0.0)
+        per_step = generated / self.state.step if self.state.step else 0.0
+        return generated + per_step / 2 < budget
 
     # -- evaluate -------------------------------------------------------------------------------
 
