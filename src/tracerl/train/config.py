@@ -97,6 +97,10 @@ class SFTConfig:
     and pass: the recovery behaviour then exists in the policy with small probability."""
     check_fraction: float = 0.3
     """Fraction of the remaining demonstrations that run the tests once before submitting."""
+    task_count: int | None = None
+    """Demonstrate only the first this many original train tasks (None: every train task,
+    renamed copies included). RL still trains on all of them, so most tasks RL sees are new
+    to the policy, as in practice: demonstrations are costly, verifiable tasks are cheap."""
     observation_weight: float = 0.0
     """Weight of a side loss on the context tokens (task statement, tool outputs), relative to
     the action loss; 0 trains on actions only. The demo uses it: a tiny model learns to copy
@@ -497,6 +501,8 @@ def validate(config: TrainConfig) -> None:
     if config.max_generated_tokens is not None and config.max_generated_tokens < 1:
         raise ValueError(f"max_generated_tokens: must be >= 1 or null, "
                          f"got {config.max_generated_tokens}")
+    if config.sft.task_count is not None and config.sft.task_count < 1:
+        raise ValueError(f"sft.task_count: must be >= 1 or null, got {config.sft.task_count}")
     if config.tasks.renamed_copies < 0:
         raise ValueError(f"tasks.renamed_copies: must be >= 0, got {config.tasks.renamed_copies}")
     if config.sft.steps < 0:

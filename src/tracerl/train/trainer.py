@@ -239,8 +239,11 @@ class Trainer:
         """The (imperfect) demonstrations of the train split, made once per process."""
         if not hasattr(self, "_demos"):
             sft = self.config.sft
+            shown = self.train_tasks
+            if sft.task_count is not None:
+                shown = [t for t in self.train_tasks if not is_renamed(t.id)][: sft.task_count]
             self._demos = make_demonstrations(
-                self.train_tasks, self.make_env_factory(self.train_tasks),
+                shown, self.make_env_factory(shown),
                 demos_per_task=sft.demos_per_task, wrong_fraction=sft.wrong_edit_fraction,
                 recovery_fraction=sft.recovery_fraction, check_fraction=sft.check_fraction,
                 seed=self.config.seed, line_edits=sft.line_edits,
