@@ -119,7 +119,16 @@ def test_compare_reports_budgets_and_flags_unmatched_ones(tmp_path: Path) -> Non
     assert row.rollouts == 4 * 32 and row.terminated == 4 * 28
     assert row.generated_tokens == 4 * 32 * 40
     _, warnings = compare_runs([bare, costly])
-    assert any("generated tokens differ by 100%" in w for w in warnings)
+    # Equal rollouts: matched in that budget; the token difference is reported beside it.
+    assert any("generated tokens differ by 100% between runs at matched complete rollouts"
+               in w for w in warnings)
+    assert not [w for w in warnings if "not a matched-budget" in w]
+    # Neither budget agrees (2 steps of 120-token attempts against 4 of 40): not matched.
+    short = make_run(tmp_path / "short", estimator="gae", critic="value_head", steps=2,
+                     seed=2, tokens_per_attempt=120)
+    shutil.rmtree(short / "traces")
+    _, warnings = compare_runs([bare, short])
+    assert any("not a matched-budget comparison" in w for w in warnings)
 
 
 PROBE = """<script>window.addEventListener('load', () => {

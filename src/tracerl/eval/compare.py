@@ -3,8 +3,9 @@
 Matching update counts is not matching budgets: eight samples per task cost eight times the
 generation of one, and a critic costs its own training. So beside held-out success (with its
 interval) each row carries what the run spent: complete rollouts, generated tokens, tool time
-and training time. When generation budgets differ by more than ``tolerance`` the table says
-so, since the comparison is then not at matched budgets.
+and training time. A comparison is at matched budgets when generated tokens or complete
+rollouts agree within ``tolerance``; the table notes how far the other differs, and warns when
+neither agrees.
 """
 
 from __future__ import annotations
@@ -130,14 +131,28 @@ def compare_runs(directories: Sequence[str | Path], *, tolerance: float = 0.10
     warnings: list[str] = []
     for run in runs:
         warnings += [f"{run.path.name}: {note}" for note in run.notes]
+    # A comparison is matched when one budget agrees across runs: generated tokens (what a
+    # run trained with ``max_generated_tokens`` holds fixed) or complete rollouts (equal steps
+    # of equal groups). The other is then reported, not warned about: at equal tokens a design
+    # with longer attempts completes fewer of them, and that is part of the result.
+    spreads: dict[str, float] = {}
     for label, values in (("generated tokens", [r.generated_tokens for r in rows]),
                           ("complete rollouts", [r.rollouts for r in rows])):
         known = [v for v in values if v is not None]
         if len(known) < len(values):
             warnings.append(f"{label}: not recorded by every run; budgets cannot be matched")
-        elif len(known) > 1 and min(known) > 0 and max(known) / min(known) - 1 > tolerance:
-            warnings.append(f"{label} differ by {max(known) / min(known) - 1:.0%} between runs "
-                            f"(more than {tolerance:.0%}): not a matched-budget comparison")
+        elif len(known) > 1 and min(known) > 0:
+            spreads[label] = max(known) / min(known) - 1
+    matched = [label for label, spread in spreads.items() if spread <= tolerance]
+    for label, spread in spreads.items():
+        if spread <= tolerance:
+            continue
+        if matched:
+            warnings.append(f"{label} differ by {spread:.0%} between runs at matched "
+                            f"{matched[0]} (within {spreads[matched[0]]:.1%})")
+        else:
+            warnings.append(f"{label} differ by {spread:.0%} between runs (more than "
+                            f"{tolerance:.0%}): not a matched-budget comparison")
     return rows, warnings
 
 
