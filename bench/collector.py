@@ -50,6 +50,7 @@ def measure(collector: Collector, tasks: list, group_size: int, cores: int) -> d
         "attempts_per_s": len(result.attempts) / wall,
         "tool_s": result.tool_seconds,
         "sampler_calls": result.sampler_calls,
+        "generation_s": result.generation_seconds,
         "terminated": result.endings["terminated"],
     }
 
@@ -85,7 +86,8 @@ def main() -> None:
         print(f"{name:>22}: {row['attempts']:.0f} attempts in {row['wall_s']:.1f}s, "
               f"CPU utilisation {row['utilisation']:.0%} of {args.cores} cores, "
               f"{row['attempts_per_s']:.2f} attempts/s, {row['sampler_calls']:.0f} sampler "
-              f"calls, {row['terminated']:.0f} terminated, tool {row['tool_s']:.1f}s")
+              f"calls ({row['generation_s']:.1f}s inside generate), {row['terminated']:.0f} "
+              f"terminated, tool {row['tool_s']:.1f}s")
     print(f"utilisation: {con['utilisation']:.0%} (target >= 80%), "
           f"{con['utilisation'] / seq['utilisation']:.2f}x the sequential loop's; "
           f"throughput {con['attempts_per_s'] / seq['attempts_per_s']:.2f}x")
