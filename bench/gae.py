@@ -11,7 +11,8 @@ alternating action and tool-output spans, then padding):
 * the memory-bound floor: the bytes batch_gae must read and write divided by a copy bandwidth
   measured here.
 
-Usage: ``python bench/gae.py [--threads 2] [--repeats 7] [--gamma 0.99 --trace-decay 0.95]``
+Usage: ``python bench/gae.py [--threads 2] [--repeats 60] [--gamma 0.99 --trace-decay 0.95]
+[--block-sweep 15,17,19,21]``
 """
 
 from __future__ import annotations
@@ -138,6 +139,26 @@ def measure_shape(
     )
 
 
+def block_sweep(exponents: list[int], repeats: int) -> None:
+    """Tokens/s of batch_gae at each time block of 2^e tokens (the kernel's one tuning knob;
+    the default is ``tracerl.core._gae_kernel.BLOCK_ELEMENTS``)."""
+    from tracerl.core import _gae_kernel
+
+    default = _gae_kernel.BLOCK_ELEMENTS
+    print(f"\ntime block sweep (default 2^{default.bit_length() - 1} tokens)")
+    try:
+        for rows, length in SHAPES:
+            batch = make_batch(rows, length)
+            r, v, m, boot = batch["rewards"], batch["values"], batch["mask"], batch["bootstrap"]
+            for exponent in exponents:
+                _gae_kernel.BLOCK_ELEMENTS = 1 << exponent
+                best, _ = timed(lambda: batch_gae(r, v, m, boot, 0.99, 0.95), repeats)
+                print(f"  [{rows}, {length}] block 2^{exponent:<2}  "
+                      f"{rows * length / best / 1e6:8.1f} M tokens/s")
+    finally:
+        _gae_kernel.BLOCK_ELEMENTS = default
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
@@ -145,6 +166,8 @@ def main() -> None:
     parser.add_argument("--loop-repeats", type=int, default=3, help="timed calls of the loops")
     parser.add_argument("--gamma", type=float, default=0.99)
     parser.add_argument("--trace-decay", type=float, default=0.95)
+    parser.add_argument("--block-sweep", default="", metavar="E,E,...",
+                        help="also time batch_gae with time blocks of 2^E tokens, e.g. 15,17,19,21")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     bandwidth = copy_bandwidth(args.repeats)
@@ -158,6 +181,8 @@ def main() -> None:
         print("verl: not importable here (run `make bench-gae` for the comparison)")
     for rows, length in SHAPES:
         measure_shape(rows, length, args, bandwidth, verl_gae)
+    if args.block_sweep:
+        block_sweep([int(e) for e in args.block_sweep.split(",")], args.repeats)
 
 
 if __name__ == "__main__":

@@ -32,9 +32,9 @@ from tracerl.core._convert import check_finite
 
 BLOCK_ELEMENTS = 1 << 19
 """Tokens per time block: the workspace (about 21 bytes per token, 11 MB) then stays within
-a server's last-level cache while the inputs and outputs stream through once. Measured on 2
-cores with a 32 MB L3 at [256, 4096]: 2^15 tokens 70, 2^17 125, 2^19 160, 2^21 167 M tokens/s
-(fewer blocks mean fewer small torch calls, until the workspace leaves the cache)."""
+a server's last-level cache while the inputs and outputs stream through once. Fewer blocks
+mean fewer small torch calls, until the workspace leaves the cache; ``python bench/gae.py
+--block-sweep 15,17,19,21`` times the choice (docs/core.md has a run)."""
 
 _MAX_WORKSPACES = 4
 """Workspaces kept per thread (least recently used dropped first)."""

@@ -242,27 +242,21 @@ def replace_tool(workspace: Workspace, path: str, old: str, new: str,
     if not old:
         return "error: replace: old must not be empty"
     text = workspace.read(path)
-    if line is None:
-        count = text.count(old)
-        if count == 0:
-            return f"error: replace: old text not found in {path}"
-        if count > 1:
-            return f"error: replace: old text found {count} times in {path}; give more context"
-        workspace.write(path, text.replace(old, new, 1))
-        return "OK"
-    number = _line_number(line)
-    lines = text.splitlines(keepends=True)
-    if number is None or number > len(lines):
-        return f"error: replace: line must be between 1 and {len(lines)}, got {line!r}"
-    target = lines[number - 1]
-    count = target.count(old)
+    # The searched span: the whole file, or one line of it (before + span + after == text).
+    before, span, after, where = "", text, "", path
+    if line is not None:
+        number = _line_number(line)
+        lines = text.splitlines(keepends=True)
+        if number is None or number > len(lines):
+            return f"error: replace: line must be between 1 and {len(lines)}, got {line!r}"
+        before, span = "".join(lines[: number - 1]), lines[number - 1]
+        after, where = "".join(lines[number:]), f"line {number} of {path}"
+    count = span.count(old)
     if count == 0:
-        return f"error: replace: old text not found in line {number} of {path}"
+        return f"error: replace: old text not found in {where}"
     if count > 1:
-        return (f"error: replace: old text found {count} times in line {number} of {path}; "
-                "give more context")
-    lines[number - 1] = target.replace(old, new, 1)
-    workspace.write(path, "".join(lines))
+        return f"error: replace: old text found {count} times in {where}; give more context"
+    workspace.write(path, before + span.replace(old, new, 1) + after)
     return "OK"
 
 

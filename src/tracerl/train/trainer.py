@@ -276,7 +276,7 @@ class Trainer:
             renamed = rename_demonstration(demo, modules[demo.task_id], fresh_name(names))
             return tokenize_demonstration(renamed, chat, self.tokenizer)
 
-        kinds = Counter(d.kind for d in self.demonstrations())
+        kinds = Counter(d.kind for d in demos)
         result = supervised_finetune(
             self.actor.policy, sequences, steps=sft.steps, batch_size=sft.batch_size, lr=sft.lr,
             seed=self.config.seed, pad_id=int(self.tokenizer.pad_token_id),
