@@ -149,10 +149,11 @@ def block_sweep(exponents: list[int], repeats: int) -> None:
     try:
         for rows, length in SHAPES:
             batch = make_batch(rows, length)
-            r, v, m, boot = batch["rewards"], batch["values"], batch["mask"], batch["bootstrap"]
+            inputs = (batch["rewards"], batch["values"], batch["mask"], batch["bootstrap"])
+            call = lambda: batch_gae(*inputs, 0.99, 0.95)  # noqa: E731, B023 (called at once)
             for exponent in exponents:
                 _gae_kernel.BLOCK_ELEMENTS = 1 << exponent
-                best, _ = timed(lambda: batch_gae(r, v, m, boot, 0.99, 0.95), repeats)
+                best, _ = timed(call, repeats)
                 print(f"  [{rows}, {length}] block 2^{exponent:<2}  "
                       f"{rows * length / best / 1e6:8.1f} M tokens/s")
     finally:
