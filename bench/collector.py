@@ -24,6 +24,7 @@ import torch
 
 from tracerl.envs import TOOL_SCHEMAS, CodingEnv, Sandbox
 from tracerl.envs.suite import generate_split
+from tracerl.models.tiny import render_tool_call
 from tracerl.rollout.collector import Collector, CollectorConfig
 from tracerl.rollout.sampling import SamplingParams
 from tracerl.rollout.toy_agent import toy_tool_policy
@@ -66,9 +67,12 @@ def main() -> None:
     tasks = generate_split("train", seed=0, count=args.tasks)
     sandbox = Sandbox()
     env = CodingEnv(tasks, sandbox=sandbox)
-    first = [env.reset(options={"task_id": t.id})[0] for t in tasks]
+    first, outputs = [], []
+    for task in tasks:  # what the policy will read: the statement, then the real test output
+        first.append(env.reset(options={"task_id": task.id})[0])
+        outputs.append(env.step(render_tool_call("run_tests", {}))[0])
     env.close()
-    policy = toy_tool_policy(first, tools=TOOLS, steps=args.fit_steps)
+    policy = toy_tool_policy(first, tools=TOOLS, steps=args.fit_steps, test_outputs=outputs)
 
     def make_env() -> CodingEnv:
         return CodingEnv(tasks, sandbox=sandbox, max_turns=4)

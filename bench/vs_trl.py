@@ -20,9 +20,11 @@ What is compared, in one run and one process, with the same torch threads:
 * **tracerl side**: the library's public pieces, driven single-turn here because its trainer is
   the multi-turn loop: ``HFPolicy.generate`` samples (recording behavior logprobs),
   ``core.group_advantages`` scores groups, and ``train.update``'s ``freeze_old`` +
-  ``ppo_update`` (``core.loss_weights``, ``ppo_token_loss``) take the optimizer step. It does
-  one more no-grad forward than TRL per step (the old-policy logprobs are computed and frozen,
-  where TRL with ``num_iterations=1`` reuses the detached current ones).
+  ``ppo_update`` (``core.loss_weights``, ``ppo_token_loss``) take the optimizer step. With one
+  optimizer step per batch both take the old-policy logprobs from the update's own forward
+  (TRL's ``num_iterations=1``; tracerl's ``freeze_old(..., policy=False)``), so neither runs
+  an extra no-grad forward. tracerl's update forward is its fused Llama path (packed real
+  tokens, output head on action positions only); TRL's is the ``transformers`` module.
 * **TRL side**: ``GRPOTrainer`` on CPU, ``bf16=False``, ``gradient_checkpointing=False``,
   generation by ``transformers``' ``generate`` (no vLLM on CPU), logging and saving off.
 
@@ -213,7 +215,9 @@ class TracerlGRPO:
         advantages, _ = group_advantages(torch.tensor(scores), group_ids, scale="std",
                                          std="sample", eps=ADVANTAGE_EPS)
         batch = pack_rows(prompts, completions, advantages, group_ids, self.pad_id)
-        batch = freeze_old(self.actor, batch, self.update.micro_batch_rows)
+        # One optimizer step per batch: the old logprobs come from the update's own forward
+        # (as TRL's num_iterations=1 does); freeze_old still fills whatever else is needed.
+        batch = freeze_old(self.actor, batch, self.update.micro_batch_rows, policy=False)
         ppo_update(self.actor, self.optimizer, batch, torch.arange(batch.rows), self.update,
                    self.critic, self.generator)
         self.policy.policy_version += 1

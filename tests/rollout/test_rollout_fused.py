@@ -18,6 +18,7 @@ from tracerl.models.tiny import TinyModelConfig, build_tiny_model, render_tool_c
 from tracerl.rollout import HFPolicy, SamplingParams, fused_llama, sequence_logprobs
 from tracerl.rollout.fused_llama import (
     FusedLlamaDecoder,
+    fused_sequence_forward,
     length_groups,
     pack_llama,
     rope_inv_freq,
@@ -130,6 +131,40 @@ def test_fused_logits_equal_transformers_at_prefill_and_every_step(name: str, gr
                 keep = torch.tensor([0, 1, 3])
                 assert decoder.select_rows(keep)
                 ids, mask, next_position = ids[keep], mask[keep], next_position[keep]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_fused_sequence_forward_matches_transformers_values_and_gradients(name: str,
+                                                                          side: str) -> None:
+    model = MODELS[name]().train()
+    lengths = [5, 11, 2, 8]
+    width = max(lengths)
+    generator = torch.Generator().manual_seed(4)
+    ids = torch.zeros((len(lengths), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):  # the update pads on either side
+        span = slice(width - n, width) if side == "left" else slice(0, n)
+        ids[row, span] = torch.randint(1, VOCAB, (n,), generator=generator)
+        mask[row, span] = 1
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    weights = torch.randn((*ids.shape, VOCAB), generator=generator) * mask[..., None]
+    real = mask.bool()
+
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                output_hidden_states=True)
+    (out.logits * weights).sum().backward()
+    expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    logits, hidden = fused_sequence_forward(model, ids, mask, positions)
+    (logits * weights).sum().backward()
+
+    assert torch.isfinite(logits).all() and torch.isfinite(hidden).all()
+    torch.testing.assert_close(logits[real], out.logits[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(hidden[real], out.hidden_states[-1][real], atol=1e-5, rtol=0)
+    for parameter_name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, expected_grads[parameter_name], atol=1e-5,
+                                   rtol=1e-4, msg=parameter_name)
 
 
 def test_length_groups_minimise_padding_plus_overhead() -> None:

@@ -129,3 +129,40 @@ def test_two_gloo_ranks_equal_full_batch(tmp_path: Path) -> None:
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert torch.allclose(got, params(full), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("critic_kind", ["none", "value_head"])
+def test_single_step_update_may_take_old_logprobs_from_its_own_forward(critic_kind: str) -> None:
+    config, critic = UpdateConfig(micro_batch_rows=4), CriticConfig(kind=critic_kind)  # type: ignore[arg-type]
+    batch = make_batch(critic=critic_kind != "none")
+    frozen_model = make_model(critic_kind)
+    reused_model = copy.deepcopy(frozen_model)
+    frozen = freeze_old(frozen_model, batch, micro_batch_rows=4)
+    reused = freeze_old(reused_model, batch, micro_batch_rows=4, policy=False)
+    assert frozen.old_logprobs is not None and reused.old_logprobs is None
+    assert (reused.old_values is None) == (critic_kind == "none")
+    for model, rows in ((frozen_model, frozen), (reused_model, reused)):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        minibatch_step(model, optimizer, rows, config, critic)
+    assert torch.allclose(params(reused_model), params(frozen_model), atol=1e-9, rtol=0)
+
+    several = UpdateConfig(micro_batch_rows=4, epochs=2)
+    optimizer = torch.optim.AdamW(reused_model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="old_logprobs: not frozen"):
+        minibatch_step(reused_model, optimizer, reused, several, critic)
+
+
+@pytest.mark.parametrize("critic_kind", ["none", "value_head"])
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])  # the head on action positions only; all
+def test_fused_forward_gives_the_transformers_update(critic_kind: str,
+                                                     entropy_coef: float) -> None:
+    critic = CriticConfig(kind=critic_kind)  # type: ignore[arg-type]
+    batch = make_batch(critic=critic_kind != "none")
+    fused = make_model(critic_kind)
+    plain = copy.deepcopy(fused)
+    plain.fused = False
+    assert fused._use_fused() and not plain._use_fused()
+    config = UpdateConfig(micro_batch_rows=4, entropy_coef=entropy_coef)
+    for model in (fused, plain):
+        step(model, batch, config, critic)
+    assert torch.allclose(params(fused), params(plain), atol=1e-9, rtol=0)

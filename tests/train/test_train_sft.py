@@ -15,6 +15,7 @@ from tracerl.rollout.chat_tokens import ChatTokens
 from tracerl.train.sft import (
     bug_line,
     demonstration_texts,
+    plan_kind,
     play_demonstration,
     supervised_finetune,
     tokenize_demonstration,
@@ -55,6 +56,25 @@ def test_recovery_demonstration_is_played_in_the_environment() -> None:
     after = supervised_finetune(model, [(ids, mask)], steps=30, batch_size=1, lr=3e-3, seed=0,
                                 pad_id=tokenizer.pad_token_id)
     assert after.final_loss < 0.5 * before.final_loss
+
+
+@pytest.mark.parametrize("line_edits", [False, True])
+def test_retry_demonstration_reads_the_not_found_error_and_edits_again(line_edits: bool) -> None:
+    tasks = generate_split("train", 0, 30)
+    env = CodingEnv(tasks)
+    rng = random.Random(3)
+    try:
+        for task in tasks:
+            demo = play_demonstration(task, "retry", env, rng, line_edits=line_edits,
+                                      implicit_path=True)
+            observations = [o for _, o in demo.turns]
+            assert observations[1].startswith("error: replace: old text not found")
+            assert observations[2:] == ["OK", "PASS", None]
+    finally:
+        env.close()
+    assert plan_kind(random.Random(0), 0.4, 0.15, 0.3, retry_fraction=1.0) == "retry"
+    kinds = {plan_kind(random.Random(s), 0.4, 0.15, 0.3) for s in range(200)}
+    assert "retry" not in kinds
 
 
 def test_renamed_copies_are_valid_tasks_with_fresh_names() -> None:

@@ -194,9 +194,19 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if not hasattr(getattr(base, "norm", None), "variance_epsilon"):
         return "final norm is not an RMSNorm"
     for module in model.modules():
-        if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
+        hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+        if any(not _observes_only(hook) for hook in hooks) or hasattr(module, "_hf_hook"):
             return f"{type(module).__name__} has forward hooks"
     return None
+
+
+_OBSERVING_HOOK_MODULES: tuple[str, ...] = ("transformers.utils.output_capturing",)
+"""Modules whose forward hooks only record outputs (transformers 5 installs them for good the
+first time a forward asks for ``output_hidden_states``): they change nothing we compute."""
+
+
+def _observes_only(hook: Any) -> bool:
+    return getattr(hook, "__module__", None) in _OBSERVING_HOOK_MODULES
 
 
 def _stack_bias(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
@@ -485,3 +495,72 @@ class FusedLlamaDecoder:
         self.lengths = [self.lengths[i] for i in internal.tolist()]
         self._regroup()
         return True
+
+
+def fused_sequence_forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    *,
+    head: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Logits ``(B, T, V)`` and final hidden states ``(B, T, hidden)`` of whole sequences,
+    differentiable with respect to ``model``'s parameters: the training-side twin of the
+    decoder above, for computing logprobs in an update.
+
+    The same mathematics as the model's own forward (a test compares logits and gradients),
+    with fewer operations: packed q/k/v and gate/up matrices (``torch.cat`` of the parameters,
+    so gradients flow back to each projection), one rotary table, one boolean mask per batch.
+    Keys at padded positions are hidden; every position may also attend to itself, so a query
+    at a padded position never has an empty row and stays finite. Outputs at padded positions
+    are zeros (logits: the head's bias); only real positions are computed.
+    ``head=False`` skips the output head (logits None): a caller that needs logits at a few
+    positions only applies ``fused_head`` to those, which at a small model's vocabulary is
+    most of the forward's arithmetic saved. ValueError if the model does not qualify
+    (``unsupported_reason``).
+    """
+    p = pack_llama(model)
+    batch, seq = input_ids.shape
+    h_q, h_kv, dim = p.n_heads, p.n_kv_heads, p.head_dim
+    heads = h_q + 2 * h_kv
+    dtype = p.embed.dtype
+    # Per-token work (norms, projections, MLP) runs on the real tokens only, packed (N, .);
+    # attention alone needs the (B, T) layout, so q/k/v are scattered into it and the result
+    # gathered back. Padding then costs no matrix arithmetic.
+    real = torch.nonzero(attention_mask.reshape(-1).bool()).squeeze(1)  # (N,) in B * T
+    freqs = position_ids.reshape(-1)[real].to(torch.float32)[:, None] * p.inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = (emb.cos() * p.attention_scaling).to(dtype)[:, None]  # (N, 1, D)
+    sin = (emb.sin() * p.attention_scaling).to(dtype)[:, None]
+    index = torch.arange(seq, device=input_ids.device)
+    causal = index[None, :] <= index[:, None]  # (T, T): key <= query
+    keys = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
+    mask = (causal[None, None] & keys) | torch.eye(seq, dtype=torch.bool,
+                                                   device=input_ids.device)[None, None]
+    gqa = h_q != h_kv
+    hidden = F.embedding(input_ids.reshape(-1)[real], p.embed)  # (N, hidden)
+    for w in p.layers:
+        x = _rms_norm(hidden, w.input_norm, w.input_norm_eps)
+        qkv = F.linear(x, w.qkv, w.qkv_bias).view(-1, heads, dim)
+        qkv = torch.cat([_rotate(qkv[:, : h_q + h_kv], cos, sin), qkv[:, h_q + h_kv:]], dim=1)
+        laid = qkv.new_zeros(batch * seq, heads, dim).index_copy(0, real, qkv)
+        laid = laid.view(batch, seq, heads, dim).transpose(1, 2)  # (B, heads, T, D)
+        attn = F.scaled_dot_product_attention(
+            laid[:, :h_q], laid[:, h_q:h_q + h_kv], laid[:, h_q + h_kv:], attn_mask=mask,
+            enable_gqa=gqa)
+        attn = attn.transpose(1, 2).reshape(batch * seq, h_q * dim)[real]
+        hidden = hidden + F.linear(attn, w.o, w.o_bias)
+        x = _rms_norm(hidden, w.post_norm, w.post_norm_eps)
+        gate, up = F.linear(x, w.gate_up, w.gate_up_bias).split(p.intermediate, dim=-1)
+        hidden = hidden + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+    hidden = _rms_norm(hidden, p.final_norm, p.final_norm_eps)
+    laid_out = hidden.new_zeros(batch * seq, hidden.shape[-1]).index_copy(0, real, hidden)
+    laid_out = laid_out.view(batch, seq, -1)
+    return (F.linear(laid_out, p.head, p.head_bias) if head else None), laid_out
+
+
+def fused_head(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits of final hidden states ``(..., hidden)`` under ``model``'s output head."""
+    lm_head: Any = getattr(model, "lm_head")  # noqa: B009 (a transformers model)
+    return F.linear(hidden, lm_head.weight, lm_head.bias)

@@ -37,7 +37,8 @@ FAILURES: tuple[str, ...] = (
 
 def toy_tool_policy(observations: Sequence[str], *, tools: Sequence[Mapping[str, Any]],
                     steps: int = 120, seed: int = 0, learning_rate: float = 1e-2,
-                    config: TinyModelConfig = TOY_MODEL) -> HFPolicy:
+                    config: TinyModelConfig = TOY_MODEL,
+                    test_outputs: Sequence[str] | None = None) -> HFPolicy:
     """A tiny policy that calls ``run_tests`` and then ``submit`` (reliably so when greedy).
 
     Args:
@@ -45,14 +46,22 @@ def toy_tool_policy(observations: Sequence[str], *, tools: Sequence[Mapping[str,
             and the fitting conversations.
         tools: the tool schemas the collector will render (keep them few: shorter prompts).
         steps: optimizer steps (full batch).
+        test_outputs: what ``run_tests`` returned on these tasks (``observations[i]``'s at
+            ``test_outputs[i]``), to fit on the outputs the environment really gives; None:
+            ``FAILURES`` and ``PASS``. With real outputs the fitted policy submits after the
+            test run on every task instead of only on outputs that resemble the canned ones.
     """
     if not observations:
         raise ValueError("observations: need at least one first observation")
     if steps < 0:
         raise ValueError(f"steps: must be >= 0, got {steps}")
+    if test_outputs is not None and len(test_outputs) != len(observations):
+        raise ValueError(f"test_outputs: need one per observation ({len(observations)}), "
+                         f"got {len(test_outputs)}")
     run_tests = render_tool_call("run_tests", {})
     submit = render_tool_call("submit", {})
-    corpus = [*observations, json.dumps(list(tools)), *FAILURES, "PASS"] + [run_tests, submit] * 4
+    corpus = [*observations, json.dumps(list(tools)), *FAILURES, "PASS",
+              *(test_outputs or ())] + [run_tests, submit] * 4
     tokenizer = train_tokenizer(corpus, vocab_size=768)
     model = build_tiny_model(tokenizer, config, seed=seed)
     policy = HFPolicy(model, tokenizer)
@@ -63,7 +72,9 @@ def toy_tool_policy(observations: Sequence[str], *, tools: Sequence[Mapping[str,
 
     rows: list[tuple[list[int], list[bool]]] = []
     for i, first in enumerate(observations):
-        for result in (FAILURES[i % len(FAILURES)], "PASS"):
+        results = ((FAILURES[i % len(FAILURES)], "PASS") if test_outputs is None
+                   else (test_outputs[i],))
+        for result in results:
             prompt = list(chat.first_prompt(first))
             between = chat.after_action(call_ids) + chat.observation(result)
             ids = prompt + call_ids + between + submit_ids

@@ -97,6 +97,10 @@ class SFTConfig:
     and pass: the recovery behaviour then exists in the policy with small probability."""
     check_fraction: float = 0.3
     """Fraction of the remaining demonstrations that run the tests once before submitting."""
+    retry_fraction: float = 0.0
+    """Fraction of demonstrations whose first ``replace`` gives an ``old`` that is not in the
+    line (an operator typed from memory), read the tool's ``not found`` error, and make the
+    right edit: without them the policy has never seen an error and submits after one."""
     task_count: int | None = None
     """Demonstrate only the first this many original train tasks (None: every train task,
     renamed copies included). RL still trains on all of them, so most tasks RL sees are new
@@ -511,6 +515,7 @@ def validate(config: TrainConfig) -> None:
                         "sft.wrong_edit_fraction": config.sft.wrong_edit_fraction,
                         "sft.recovery_fraction": config.sft.recovery_fraction,
                         "sft.check_fraction": config.sft.check_fraction,
+                        "sft.retry_fraction": config.sft.retry_fraction,
                         "dynamic.success_prior": config.dynamic.success_prior,
                         "dynamic.success_ema": config.dynamic.success_ema}
     for name, fraction in fractions.items():

@@ -31,11 +31,12 @@ from tracerl.rollout.chat_tokens import ChatTokens
 from tracerl.rollout.sampling import logprobs_from_logits
 from tracerl.train.augment import RENAMED_MARK, rename_text
 
-DemoKind = Literal["correct", "checked", "wrong", "wrong_checked", "recovery"]
+DemoKind = Literal["correct", "checked", "wrong", "wrong_checked", "recovery", "retry"]
 """What a demonstration shows: ``correct`` (view, right edit, submit), ``checked`` (the same
 with a passing test run before submitting), ``wrong`` (a wrong edit, submitted),
 ``wrong_checked`` (a wrong edit, FAIL, submitted anyway), ``recovery`` (a wrong edit, FAIL, the
-right edit, PASS, submit)."""
+right edit, PASS, submit), ``retry`` (an edit whose ``old`` is not in the line, the tool's
+``error: ... not found``, the right edit, PASS, submit)."""
 
 
 @dataclass(frozen=True)
@@ -147,13 +148,36 @@ def wrong_fix(bad: str, good: str, rng: random.Random) -> str:
     return rng.choice(sorted(set(options)))
 
 
+def misremembered_old(line: str, old: str, rng: random.Random) -> str:
+    """An ``old`` text a policy might type from memory instead of copying it: an operator or
+    number of the same kind as ``old`` (or any of the swap table's) that does not occur in
+    ``line``, so the ``replace`` tool answers ``old text not found``."""
+    pieces = _TOKEN.findall(old) or [old]
+    options: list[str] = []
+    for piece in pieces:
+        for group in _SWAPS:
+            if piece in group:
+                options += [old.replace(piece, g, 1) for g in group if g != piece]
+        if piece.isdigit():
+            options += [old.replace(piece, str(int(piece) + d), 1) for d in (1, 2, 3)]
+    if not [o for o in options if o.strip() and o not in line]:
+        options += [g for group in _SWAPS for g in group]
+    options = sorted({o for o in options if o.strip() and o not in line})
+    if not options:
+        raise ValueError(f"misremembered_old: every candidate occurs in the line {line!r}")
+    return rng.choice(options)
+
+
 def _call(name: str, **arguments: str) -> str:
     return render_tool_call(name, dict(arguments))
 
 
 def plan_kind(rng: random.Random, wrong_fraction: float, recovery_fraction: float,
-              check_fraction: float) -> DemoKind:
-    """Draw what a demonstration shows from the configured fractions."""
+              check_fraction: float, retry_fraction: float = 0.0) -> DemoKind:
+    """Draw what a demonstration shows from the configured fractions (``retry_fraction`` is
+    taken from the right ones, after the wrong ones)."""
+    if retry_fraction > 0 and rng.random() < retry_fraction:
+        return "retry"
     draw = rng.random()
     if draw < recovery_fraction:
         return "recovery"
@@ -193,7 +217,15 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
     wrong = wrong_fix(bad, good, rng)
     named: str | None = None if implicit_path else path
     actions = [render_tool_call("view_file", {} if named is None else {"path": named})]
-    if kind in ("correct", "checked"):
+    if kind == "retry":
+        old, new = minimal_edit(bad, good) if line is not None else (bad, good)
+        where: dict[str, object] = {} if named is None else {"path": named}
+        if line is not None:
+            where["line"] = line
+        actions.append(render_tool_call(
+            "replace", {**where, "old": misremembered_old(bad, old, rng), "new": new}))
+        actions += [_edit(named, line, bad, good), _call("run_tests")]
+    elif kind in ("correct", "checked"):
         actions.append(_edit(named, line, bad, good))
         if kind == "checked":
             actions.append(_call("run_tests"))
@@ -217,7 +249,8 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
 def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                         demos_per_task: int, wrong_fraction: float, recovery_fraction: float,
                         check_fraction: float, seed: int, line_edits: bool = False,
-                        implicit_path: bool = False) -> list[Demonstration]:
+                        implicit_path: bool = False,
+                        retry_fraction: float = 0.0) -> list[Demonstration]:
     """``demos_per_task`` demonstrations of each task, kinds drawn from the fractions."""
     rng = random.Random(seed)
     env = make_env()
@@ -225,7 +258,8 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
     try:
         for task in tasks:
             for _ in range(demos_per_task):
-                kind = plan_kind(rng, wrong_fraction, recovery_fraction, check_fraction)
+                kind = plan_kind(rng, wrong_fraction, recovery_fraction, check_fraction,
+                                 retry_fraction)
                 demos.append(play_demonstration(task, kind, env, rng, line_edits=line_edits,
                                                 implicit_path=implicit_path))
     finally:

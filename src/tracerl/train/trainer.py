@@ -247,7 +247,7 @@ class Trainer:
                 demos_per_task=sft.demos_per_task, wrong_fraction=sft.wrong_edit_fraction,
                 recovery_fraction=sft.recovery_fraction, check_fraction=sft.check_fraction,
                 seed=self.config.seed, line_edits=sft.line_edits,
-                implicit_path=sft.implicit_path)
+                implicit_path=sft.implicit_path, retry_fraction=sft.retry_fraction)
         return self._demos
 
     def chat_tokens(self) -> ChatTokens:

@@ -11,6 +11,11 @@ reach the loss.
 Three policies stay apart: ``behavior_logprobs`` (recorded by the sampler, used only for the
 optional truncated importance weight), ``old_logprobs`` (this update's anchor, computed here
 once with the weights the update starts from and frozen), and the reference model (KL anchor).
+
+An update that takes exactly one optimizer step per batch (``epochs == minibatches == 1``) may
+skip that extra forward (``freeze_old(..., policy=False)``): its loss forward runs with the
+weights the update starts from, so the detached logprobs of that same forward are the old ones
+(for a policy without dropout, as the tiny models and most fine-tuned LLMs are configured).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from tracerl.core import (
     truncated_importance_weights,
     value_loss,
 )
+from tracerl.rollout.fused_llama import fused_head, fused_sequence_forward, unsupported_reason
 from tracerl.rollout.sampling import logprobs_from_logits
 from tracerl.train.config import CriticConfig, UpdateConfig
 
@@ -93,6 +99,9 @@ class ActorCritic(torch.nn.Module):
         """Logprobs in the loss are taken under ``log_softmax(logits / temperature)``, the
         distribution the rollouts were sampled from (smooth, so it can be differentiated)."""
         self.critic_kind = critic.kind
+        self.fused = True
+        """Compute Llama-architecture policies' logits with the fused forward (False: always
+        the model's own ``forward``)."""
         hidden = int(getattr(policy, "config").hidden_size)  # noqa: B009 (a transformers model)
         self.critic_backbone: torch.nn.Module | None = None
         self.value_head: torch.nn.Linear | None = None
@@ -103,6 +112,16 @@ class ActorCritic(torch.nn.Module):
         if critic.kind == "separate":
             backbone: torch.nn.Module = getattr(copy.deepcopy(policy), "model")  # noqa: B009
             self.critic_backbone = backbone
+
+    def _use_fused(self) -> bool:
+        """Whether the policy's forward can take the fused Llama path (same mathematics,
+        a fraction of the operations; ``rollout.fused_llama.fused_sequence_forward``)."""
+        if not self.fused:
+            return False
+        config = getattr(self.policy, "config", None)
+        if self.policy.training and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+            return False
+        return unsupported_reason(self.policy) is None
 
     def critic_state(self) -> dict[str, Any]:
         """The critic's own weights (the head, and the separate backbone if any)."""
@@ -139,26 +158,51 @@ class ActorCritic(torch.nn.Module):
         return params
 
     def evaluate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                 need_values: bool = False, need_entropy: bool = False
+                 need_values: bool = False, need_entropy: bool = False,
+                 needed: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Per-position logprobs (B, T), values (B, T) and the shifted logits for entropy.
 
         ``logprobs[b, t]`` is the log-probability of token t given tokens < t; ``values[b, t]``
-        is the critic's value of that same state (the context before token t).
+        is the critic's value of that same state (the context before token t). ``needed``
+        (B, T) bool: the positions whose logprobs the caller reads (the action tokens); the
+        others may come back 0, and on the fused path the output head then runs on those
+        positions only (without an entropy term, which reads whole distributions anyway).
         """
         attention = attention_mask.long()
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         shared = need_values and self.critic_kind == "value_head"
-        out = self.policy(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                          output_hidden_states=shared)
-        logits = out.logits  # (B, T, V)
-        logprobs = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:],
-                                        temperature=self.temperature, processing="temperature")
+        last_hidden: torch.Tensor | None = None
+        fused = self._use_fused()
+        sparse = fused and needed is not None and not need_entropy
+        if fused:
+            logits, last_hidden = fused_sequence_forward(self.policy, input_ids, attention,
+                                                         positions, head=not sparse)
+        else:
+            out = self.policy(input_ids=input_ids, attention_mask=attention,
+                              position_ids=positions, output_hidden_states=shared)
+            logits = out.logits  # (B, T, V)
+            if shared:
+                last_hidden = out.hidden_states[-1]
+        if sparse:
+            assert needed is not None and last_hidden is not None
+            targets = needed[:, 1:].bool()  # token t is needed: the state before it, t - 1
+            picked = fused_head(self.policy, last_hidden[:, :-1][targets])  # (N, V)
+            values_at = logprobs_from_logits(picked, input_ids[:, 1:][targets],
+                                             temperature=self.temperature,
+                                             processing="temperature")
+            logprobs = values_at.new_zeros(targets.shape).masked_scatter(targets, values_at)
+        else:
+            assert logits is not None
+            logprobs = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:],
+                                            temperature=self.temperature,
+                                            processing="temperature")
         logprobs = torch.cat([logprobs.new_zeros(logprobs.shape[0], 1), logprobs], dim=1)
         values = None
         if need_values and self.value_head is not None:
             if shared:
-                hidden = out.hidden_states[-1]
+                assert last_hidden is not None
+                hidden = last_hidden
             else:
                 assert self.critic_backbone is not None
                 hidden = self.critic_backbone(input_ids=input_ids, attention_mask=attention,
@@ -168,6 +212,7 @@ class ActorCritic(torch.nn.Module):
                                 state_values[:, :-1]], dim=1)
         shifted = None
         if need_entropy:
+            assert logits is not None
             scaled = logits[:, :-1] / self.temperature
             shifted = torch.cat([scaled.new_zeros(scaled.shape[0], 1, scaled.shape[2]), scaled], 1)
         return logprobs, values, shifted
@@ -198,8 +243,13 @@ class ActorCritic(torch.nn.Module):
 
 @torch.no_grad()
 def freeze_old(model: ActorCritic, batch: RowBatch, micro_batch_rows: int,
-               reference: ActorCritic | None = None) -> RowBatch:
-    """Fill ``old_logprobs`` (and ``old_values``, ``ref_logprobs``) once, before any step."""
+               reference: ActorCritic | None = None, *, policy: bool = True) -> RowBatch:
+    """Fill ``old_logprobs`` (and ``old_values``, ``ref_logprobs``) once, before any step.
+
+    ``policy=False`` leaves ``old_logprobs`` unset for a single-step update to take from its
+    own forward (see the module docstring); values and reference logprobs are still filled."""
+    if not policy and not model.has_critic and reference is None:
+        return batch
     was_training = model.training
     model.eval()
     old = torch.zeros(batch.input_ids.shape)
@@ -212,18 +262,20 @@ def freeze_old(model: ActorCritic, batch: RowBatch, micro_batch_rows: int,
             width = part.input_ids.shape[1]
             lo, hi = _column_span(batch.attention_mask[rows])
             logprobs, vals, _ = model.evaluate(part.input_ids, part.attention_mask,
-                                               need_values=model.has_critic)
+                                               need_values=model.has_critic,
+                                               needed=part.action_mask)
             old[rows, lo:hi] = logprobs.float()
             if values is not None and vals is not None:
                 values[rows, lo:hi] = vals.float()
             if ref is not None and reference is not None:
-                ref_lp, _, _ = reference.evaluate(part.input_ids, part.attention_mask)
+                ref_lp, _, _ = reference.evaluate(part.input_ids, part.attention_mask,
+                                                  needed=part.action_mask)
                 ref[rows, lo:hi] = ref_lp.float()
             assert hi - lo == width
     finally:
         model.train(was_training)
     mask = batch.action_mask.float()
-    return replace(batch, old_logprobs=old * mask,
+    return replace(batch, old_logprobs=old * mask if policy else None,
                    old_values=None if values is None else values * mask,
                    ref_logprobs=None if ref is None else ref * mask)
 
@@ -238,11 +290,17 @@ def _column_span(attention: torch.Tensor) -> tuple[int, int]:
 def token_loss(model: ActorCritic, part: RowBatch, config: UpdateConfig, critic: CriticConfig
                ) -> tuple[torch.Tensor, dict[str, float]]:
     """(B, T) per-token total loss of a micro-batch (policy, KL, entropy, value terms)."""
-    assert part.old_logprobs is not None, "freeze_old must run before the update"
     mask = part.action_mask
+    if part.old_logprobs is None and not (config.epochs == 1 and config.minibatches == 1):
+        raise ValueError("old_logprobs: not frozen; only an update of one optimizer step "
+                         f"(epochs 1, minibatches 1; got {config.epochs}, {config.minibatches})"
+                         " may take them from its own forward: run freeze_old first")
     logprobs, values, logits = model.evaluate(
         part.input_ids, part.attention_mask, need_values=model.has_critic,
-        need_entropy=config.entropy_coef > 0)
+        need_entropy=config.entropy_coef > 0, needed=mask)
+    if part.old_logprobs is None:  # one step from the starting weights: these are the old ones
+        part = replace(part, old_logprobs=logprobs.detach() * mask)
+    assert part.old_logprobs is not None
     metrics: dict[str, float] = {}
     weights = None
     if config.tis_cap is not None and bool(mask.any()):
