@@ -18,7 +18,7 @@ import torch
 
 from tracerl.envs import TOOL_SCHEMAS, CodingEnv, FaultConfig, Sandbox
 from tracerl.envs.suite import generate_split
-from tracerl.models.tiny import build_tiny_model, train_tokenizer
+from tracerl.models.tiny import build_tiny_model, render_tool_call, train_tokenizer
 from tracerl.rollout.collector import Collector, CollectorConfig, attempt_seed
 from tracerl.rollout.policy_hf import Completion, HFPolicy
 from tracerl.rollout.sampling import SamplingParams
@@ -245,3 +245,22 @@ def test_bad_arguments_are_refused(toy: RecordingPolicy, tasks: list[Any],
         collector.collect([tasks[0], tasks[0]], 1)
     with pytest.raises(ValueError, match="max_turns"):
         CollectorConfig(max_turns=0)
+
+
+def test_toy_policy_fitted_on_real_test_outputs_submits_after_each(tasks: list[Any],
+                                                                  sandbox: Sandbox) -> None:
+    torch.set_num_threads(1)
+    env = CodingEnv(tasks, sandbox=sandbox)
+    first, outputs = [], []
+    for task in tasks:
+        first.append(env.reset(options={"task_id": task.id})[0])
+        outputs.append(env.step(render_tool_call("run_tests", {}))[0])
+    env.close()
+    with pytest.raises(ValueError, match="test_outputs: need one per observation"):
+        toy_tool_policy(first, tools=TOOLS, steps=0, test_outputs=outputs[:1])
+    fitted = toy_tool_policy(first, tools=TOOLS, steps=100, test_outputs=outputs)
+    result = _collector(fitted, tasks, sandbox, None, max_turns=4).collect(tasks, 1)
+    assert result.endings["terminated"] == len(tasks)
+    for attempt in result.attempts:  # run_tests, then submit: two actions
+        actions = [s for s in _segments(attempt.fragments[0]) if s.role == "action"]
+        assert len(actions) == 2
