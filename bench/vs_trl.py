@@ -24,7 +24,8 @@ What is compared, in one run and one process, with the same torch threads:
   optimizer step per batch both take the old-policy logprobs from the update's own forward
   (TRL's ``num_iterations=1``; tracerl's ``freeze_old(..., policy=False)``), so neither runs
   an extra no-grad forward. tracerl's update forward is its fused Llama path (packed real
-  tokens, output head on action positions only); TRL's is the ``transformers`` module.
+  tokens, a group's shared prompt computed once, output head on action positions only);
+  TRL's is the ``transformers`` module.
 * **TRL side**: ``GRPOTrainer`` on CPU, ``bf16=False``, ``gradient_checkpointing=False``,
   generation by ``transformers``' ``generate`` (no vLLM on CPU), logging and saving off.
 

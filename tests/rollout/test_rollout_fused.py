@@ -22,6 +22,7 @@ from tracerl.rollout.fused_llama import (
     length_groups,
     pack_llama,
     rope_inv_freq,
+    shared_prefix_owner,
     unsupported_reason,
 )
 
@@ -162,6 +163,45 @@ def test_fused_sequence_forward_matches_transformers_values_and_gradients(name: 
     assert torch.isfinite(logits).all() and torch.isfinite(hidden).all()
     torch.testing.assert_close(logits[real], out.logits[real], atol=1e-5, rtol=0)
     torch.testing.assert_close(hidden[real], out.hidden_states[-1][real], atol=1e-5, rtol=0)
+    for parameter_name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, expected_grads[parameter_name], atol=1e-5,
+                                   rtol=1e-4, msg=parameter_name)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_rows_sharing_a_prompt_compute_it_once_with_the_same_values_and_gradients(
+        side: str) -> None:
+    model = MODELS["llama-gqa-untied-llama3-rope"]().train()
+    generator = torch.Generator().manual_seed(5)
+    prompt_a, prompt_b = (torch.randint(1, VOCAB, (n,), generator=generator) for n in (6, 4))
+    rows = [torch.cat([prompt_a, torch.randint(1, VOCAB, (n,), generator=generator)])
+            for n in (3, 5)] + [torch.cat([prompt_b, torch.randint(1, VOCAB, (4,),
+                                                                    generator=generator)])]
+    rows.append(rows[0].clone())  # an identical row: every token shared
+    rows.append(prompt_a[:4].clone())  # a row that is a prefix of the others
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for index, row in enumerate(rows):
+        span = slice(width - len(row), width) if side == "left" else slice(0, len(row))
+        ids[index, span], mask[index, span] = row, 1
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    owner = shared_prefix_owner(ids, mask, positions)
+    computed = int(((owner.flatten() == torch.arange(ids.numel())) & mask.flatten().bool()).sum())
+    if side == "right":  # aligned prompts: A once, the copy of row 0 and the prefix row free
+        assert computed == int(mask.sum()) - 6 - len(rows[0]) - 4
+    else:
+        assert computed < int(mask.sum())  # only the identical row is aligned with row 0
+    weights = torch.randn((*ids.shape, VOCAB), generator=generator) * mask[..., None]
+    real = mask.bool()
+    expected = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    (expected * weights).sum().backward()
+    expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    logits, _ = fused_sequence_forward(model, ids, mask, positions)
+    assert logits is not None
+    (logits * weights).sum().backward()
+    torch.testing.assert_close(logits[real], expected[real], atol=1e-5, rtol=0)
     for parameter_name, parameter in model.named_parameters():
         torch.testing.assert_close(parameter.grad, expected_grads[parameter_name], atol=1e-5,
                                    rtol=1e-4, msg=parameter_name)

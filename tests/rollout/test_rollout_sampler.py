@@ -163,6 +163,27 @@ def test_row_seeds_make_rows_independent_of_their_batch(policy: HFPolicy) -> Non
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
+def test_repeated_prompts_prefilled_once_sample_as_if_alone(policy: HFPolicy) -> None:
+    assert policy.decode_path() == "fused"
+    base = _prompts(policy)
+    prompts = [base[1], base[0], base[1], base[3], base[1], base[0]]  # a group's G copies
+    seeds = [20, 21, 22, 23, 24, 25]
+    eos = policy.tokenizer.eos_token_id
+    common = policy.tokenizer.encode("a", add_special_tokens=False)[0]
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, stop_token_ids=(eos, common))
+    together = policy.generate(prompts, params, row_seeds=seeds)
+    alone = [policy.generate([p], params, row_seeds=[s])[0]
+             for p, s in zip(prompts, seeds, strict=True)]
+    for a, b in zip(together, alone, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+                                   atol=1e-5, rtol=0)
+    recomputed = _recompute(policy, prompts, together, params)
+    for completion, expected in zip(together, recomputed, strict=True):
+        torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=1e-5, rtol=0)
+    assert len({tuple(c.token_ids) for c in together[::2]}) > 1  # copies sample differently
+
+
 def test_static_and_dynamic_caches_agree(policy: HFPolicy) -> None:
     dynamic = HFPolicy(policy.model, policy.tokenizer, cache="dynamic")
     static = HFPolicy(policy.model, policy.tokenizer, cache="static")

@@ -23,6 +23,7 @@ about what a single decode step reads anyway.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,12 +147,37 @@ def _is_plain_linear(module: Any) -> bool:
     return type(module) is torch.nn.Linear and module.weight.is_floating_point()
 
 
+_REASONS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, str | None]] = (
+    weakref.WeakKeyDictionary())
+"""Last verdict per model, with the fingerprint of its modules it was reached for."""
+
+
+def _fingerprint(model: torch.nn.Module) -> tuple[Any, ...]:
+    # What the verdict depends on and may change after construction: the config object, the
+    # module tree (a LoRA wrapper replaces a Linear), hooks, and each weight's identity.
+    return (id(getattr(model, "config", None)),
+            *[(id(m), tuple(m._forward_hooks), tuple(m._forward_pre_hooks),
+               id(getattr(m, "weight", None)), "_hf_hook" in m.__dict__) for m in model.modules()])
+
+
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot use the fused path, or None when it can.
 
-    Checked at every ``generate()``: adapters or hooks added after the policy was built (LoRA
-    wrappers, device-map hooks) make the model fall back rather than be silently bypassed.
+    Checked at every ``generate()`` and update forward: adapters or hooks added after the
+    policy was built (LoRA wrappers, device-map hooks) make the model fall back rather than be
+    silently bypassed. The verdict is kept while the model's config object, modules, hooks and
+    weight tensors stay the same objects (a config edited in place is not noticed).
     """
+    key = _fingerprint(model)
+    cached = _REASONS.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    reason = _unsupported_reason(model)
+    _REASONS[model] = (key, reason)
+    return reason
+
+
+def _unsupported_reason(model: torch.nn.Module) -> str | None:
     config: Any = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -480,6 +506,22 @@ class FusedLlamaDecoder:
         self.width = end
         return F.linear(hidden[self.inverse, -1], self.packed.head, self.packed.head_bias)
 
+    def repeat_rows(self, index: torch.Tensor) -> None:
+        """Make the caller's new row ``j`` a copy of old row ``index[j]`` (repeats allowed):
+        prompts shared by several rows are prefilled once and their cache copied."""
+        internal = self.inverse[index]  # old internal row of each new caller row
+        lengths = torch.tensor(self.lengths, dtype=torch.long)[internal]
+        order = torch.sort(lengths, stable=True).indices  # new internal row -> new caller row
+        source = internal[order]
+        kv = self.kv.new_zeros((*self.kv.shape[:2], source.numel(), *self.kv.shape[3:]))
+        kv[..., : self.width, :] = self.kv[:, :, source, :, : self.width]
+        self.kv = kv
+        self.valid = self.valid[source]
+        self.order = order
+        self.inverse = torch.argsort(order)
+        self.lengths = lengths[order].tolist()
+        self._regroup()
+
     def select_rows(self, keep: torch.Tensor) -> bool:
         """Keep only the caller's rows ``keep`` (in that new order); copies written columns only."""
         new_index = torch.full_like(self.order, -1)
@@ -495,6 +537,19 @@ class FusedLlamaDecoder:
         self.lengths = [self.lengths[i] for i in internal.tolist()]
         self._regroup()
         return True
+
+
+def shared_prefix_owner(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        position_ids: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` flat index ``b' * T + t`` of the first row ``b'`` whose columns ``0..t``
+    (token ids, mask and positions) equal row ``b``'s: the row that computes position
+    ``(b, t)`` for all rows sharing that prefix (``b`` itself when none earlier does)."""
+    seq = input_ids.shape[1]
+    same = ((input_ids[:, None] == input_ids[None]) & (attention_mask[:, None] == attention_mask[None])
+            & (position_ids[:, None] == position_ids[None]))  # (B, B, T)
+    same = same.to(torch.int32).cumprod(dim=-1)
+    first = same.argmax(dim=1)  # the first maximum: the earliest equal row (b itself at worst)
+    return first * seq + torch.arange(seq, device=input_ids.device)[None, :]
 
 
 def fused_sequence_forward(
@@ -514,7 +569,15 @@ def fused_sequence_forward(
     so gradients flow back to each projection), one rotary table, one boolean mask per batch.
     Keys at padded positions are hidden; every position may also attend to itself, so a query
     at a padded position never has an empty row and stays finite. Outputs at padded positions
-    are zeros (logits: the head's bias); only real positions are computed.
+    are zeros (logits: the head's bias).
+
+    Per-token work (norms, projections, MLP) runs on packed tokens ``(N, .)``: real tokens
+    only, and a token that has the same tokens, padding and positions before it (itself
+    included) in an earlier row is computed once, in that row (``shared_prefix_owner``). A
+    group's attempts at one task share their prompt, so the prompt is computed once per group
+    instead of once per row; since a shared token's hidden states feed every row that shares
+    it, its gradient is the sum of what the copies would receive, which is what autograd
+    computes. Only attention works in the ``(B, T)`` layout, gathered from the packed tokens.
     ``head=False`` skips the output head (logits None): a caller that needs logits at a few
     positions only applies ``fused_head`` to those, which at a small model's vocabulary is
     most of the forward's arithmetic saved. ValueError if the model does not qualify
@@ -525,37 +588,41 @@ def fused_sequence_forward(
     h_q, h_kv, dim = p.n_heads, p.n_kv_heads, p.head_dim
     heads = h_q + 2 * h_kv
     dtype = p.embed.dtype
-    # Per-token work (norms, projections, MLP) runs on the real tokens only, packed (N, .);
-    # attention alone needs the (B, T) layout, so q/k/v are scattered into it and the result
-    # gathered back. Padding then costs no matrix arithmetic.
-    real = torch.nonzero(attention_mask.reshape(-1).bool()).squeeze(1)  # (N,) in B * T
-    freqs = position_ids.reshape(-1)[real].to(torch.float32)[:, None] * p.inv_freq[None, :]
+    device = input_ids.device
+    flat = torch.arange(batch * seq, device=device)
+    owner = shared_prefix_owner(input_ids, attention_mask, position_ids).reshape(-1)
+    computed = torch.nonzero((owner == flat) & attention_mask.reshape(-1).bool()).squeeze(1)
+    count = computed.numel()
+    # Packed index of each (b, t): its owner's slot, or ``count`` (a zero row) for padding.
+    slot = torch.full((batch * seq,), count, dtype=torch.long, device=device)
+    slot[computed] = torch.arange(count, device=device)
+    source = slot[owner]
+    freqs = position_ids.reshape(-1)[computed].to(torch.float32)[:, None] * p.inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     cos = (emb.cos() * p.attention_scaling).to(dtype)[:, None]  # (N, 1, D)
     sin = (emb.sin() * p.attention_scaling).to(dtype)[:, None]
-    index = torch.arange(seq, device=input_ids.device)
+    index = torch.arange(seq, device=device)
     causal = index[None, :] <= index[:, None]  # (T, T): key <= query
     keys = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
-    mask = (causal[None, None] & keys) | torch.eye(seq, dtype=torch.bool,
-                                                   device=input_ids.device)[None, None]
+    mask = (causal[None, None] & keys) | torch.eye(seq, dtype=torch.bool, device=device)[None, None]
     gqa = h_q != h_kv
-    hidden = F.embedding(input_ids.reshape(-1)[real], p.embed)  # (N, hidden)
+    hidden = F.embedding(input_ids.reshape(-1)[computed], p.embed)  # (N, hidden)
     for w in p.layers:
         x = _rms_norm(hidden, w.input_norm, w.input_norm_eps)
         qkv = F.linear(x, w.qkv, w.qkv_bias).view(-1, heads, dim)
         qkv = torch.cat([_rotate(qkv[:, : h_q + h_kv], cos, sin), qkv[:, h_q + h_kv:]], dim=1)
-        laid = qkv.new_zeros(batch * seq, heads, dim).index_copy(0, real, qkv)
+        laid = torch.cat([qkv, qkv.new_zeros(1, heads, dim)])[source]
         laid = laid.view(batch, seq, heads, dim).transpose(1, 2)  # (B, heads, T, D)
         attn = F.scaled_dot_product_attention(
             laid[:, :h_q], laid[:, h_q:h_q + h_kv], laid[:, h_q + h_kv:], attn_mask=mask,
             enable_gqa=gqa)
-        attn = attn.transpose(1, 2).reshape(batch * seq, h_q * dim)[real]
+        attn = attn.transpose(1, 2).reshape(batch * seq, h_q * dim)[computed]
         hidden = hidden + F.linear(attn, w.o, w.o_bias)
         x = _rms_norm(hidden, w.post_norm, w.post_norm_eps)
         gate, up = F.linear(x, w.gate_up, w.gate_up_bias).split(p.intermediate, dim=-1)
         hidden = hidden + F.linear(F.silu(gate) * up, w.down, w.down_bias)
     hidden = _rms_norm(hidden, p.final_norm, p.final_norm_eps)
-    laid_out = hidden.new_zeros(batch * seq, hidden.shape[-1]).index_copy(0, real, hidden)
+    laid_out = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[-1])])[source]
     laid_out = laid_out.view(batch, seq, -1)
     return (F.linear(laid_out, p.head, p.head_bias) if head else None), laid_out
 

@@ -266,10 +266,25 @@ class HFPolicy:
         total_width = prompt_width + n_steps
         decoder: FusedLlamaDecoder | _HFDecoder
         if packed is not None:
-            decoder = FusedLlamaDecoder(packed, n_rows, total_width)
+            # Identical prompts (a group's G samples) are prefilled once; the cache is copied.
+            first_row: dict[tuple[int, ...], int] = {}
+            for row, prompt in enumerate(prompts):
+                first_row.setdefault(tuple(prompt), row)
+            if len(first_row) < n_rows:
+                at = torch.tensor(list(first_row.values()), dtype=torch.long, device=device)
+                slot = {key: i for i, key in enumerate(first_row)}
+                copies = torch.tensor([slot[tuple(p)] for p in prompts], dtype=torch.long,
+                                      device=device)
+                decoder = FusedLlamaDecoder(packed, len(first_row), total_width)
+                logits = decoder.prefill(input_ids[at], prompt_mask[at], position_ids[at])
+                decoder.repeat_rows(copies)
+                logits = logits[copies]
+            else:
+                decoder = FusedLlamaDecoder(packed, n_rows, total_width)
+                logits = decoder.prefill(input_ids, prompt_mask, position_ids)
         else:
             decoder = _HFDecoder(self, n_steps, total_width)
-        logits = decoder.prefill(input_ids, prompt_mask, position_ids)
+            logits = decoder.prefill(input_ids, prompt_mask, position_ids)
         next_position = position_ids[:, -1:] + 1
 
         out_tokens = torch.full((n_rows, n_steps), self._pad_id, dtype=torch.long)

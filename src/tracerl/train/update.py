@@ -255,9 +255,10 @@ def freeze_old(model: ActorCritic, batch: RowBatch, micro_batch_rows: int,
     old = torch.zeros(batch.input_ids.shape)
     values = torch.zeros(batch.input_ids.shape) if model.has_critic else None
     ref = torch.zeros(batch.input_ids.shape) if reference is not None else None
+    order = micro_batch_order(batch, torch.arange(batch.rows))
     try:
         for start in range(0, batch.rows, micro_batch_rows):
-            rows = torch.arange(start, min(start + micro_batch_rows, batch.rows))
+            rows = order[start:start + micro_batch_rows]
             part = batch.select(rows)
             width = part.input_ids.shape[1]
             lo, hi = _column_span(batch.attention_mask[rows])
@@ -278,6 +279,15 @@ def freeze_old(model: ActorCritic, batch: RowBatch, micro_batch_rows: int,
     return replace(batch, old_logprobs=old * mask if policy else None,
                    old_values=None if values is None else values * mask,
                    ref_logprobs=None if ref is None else ref * mask)
+
+
+def micro_batch_order(batch: RowBatch, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` in the order micro-batches take them: a group's rows together (they share
+    their prompt, which the fused forward then computes once per micro-batch), longest first
+    within a group. Any order gives the same result; this one gives it soonest."""
+    lengths = batch.attention_mask[rows].sum(-1)
+    rows = rows[torch.argsort(lengths, descending=True, stable=True)]
+    return rows[torch.argsort(batch.group_index[rows], stable=True)]
 
 
 def _column_span(attention: torch.Tensor) -> tuple[int, int]:
@@ -346,10 +356,7 @@ def minibatch_step(model: ActorCritic, optimizer: torch.optim.Optimizer, batch: 
     """
     weights = loss_weights(batch.action_mask, config.loss_mode, batch.group_index,
                            config.loss_constant).float()
-    rows = torch.arange(batch.rows) if rank_rows is None else rank_rows
-    # Micro-batches of similar length waste less compute on padding; order changes nothing.
-    lengths = batch.attention_mask[rows].sum(-1)
-    rows = rows[torch.argsort(lengths, descending=True, stable=True)]
+    rows = micro_batch_order(batch, torch.arange(batch.rows) if rank_rows is None else rank_rows)
     optimizer.zero_grad(set_to_none=False)
     totals: dict[str, float] = {}
     tokens = 0.0
