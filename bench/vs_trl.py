@@ -16,7 +16,8 @@ What is compared, in one run and one process, with the same torch threads:
   ``epochs=1, minibatches=1``), clip 0.2, no KL (``beta=0``), advantages
   ``(r - mean_g) / (std_g + 1e-4)`` with the sample std (TRL's ``scale_rewards="group"``),
   token-mean loss over the batch (TRL's default ``loss_type="dapo"``; tracerl's ``token_mean``),
-  AdamW at the same constant learning rate, weight decay 0, gradient norm clipped at 1.
+  AdamW (torch's fused kernel in both) at the same constant learning rate, weight decay 0,
+  gradient norm clipped at 1.
 * **tracerl side**: the library's public pieces, driven single-turn here because its trainer is
   the multi-turn loop: ``HFPolicy.generate`` samples (recording behavior logprobs),
   ``core.group_advantages`` scores groups, and ``train.update``'s ``freeze_old`` +
@@ -75,7 +76,7 @@ from tracerl.models.tiny import (
 from tracerl.rollout.policy_hf import HFPolicy
 from tracerl.rollout.sampling import SamplingParams
 from tracerl.train.config import CriticConfig, UpdateConfig
-from tracerl.train.update import ActorCritic, RowBatch, freeze_old, ppo_update
+from tracerl.train.update import ActorCritic, RowBatch, freeze_old, make_adamw, ppo_update
 
 ADVANTAGE_EPS = 1e-4
 """TRL's constant in ``(r - mean) / (std + eps)``; tracerl is given the same."""
@@ -193,8 +194,8 @@ class TracerlGRPO:
         self.critic = CriticConfig(kind="none")
         self.actor = ActorCritic(model, self.critic, temperature=1.0)
         self.policy = HFPolicy(model, tokenizer, max_batch_size=args.prompts * args.group)
-        self.optimizer = torch.optim.AdamW(self.actor.policy_parameters(), lr=args.lr,
-                                           weight_decay=0.0)
+        self.optimizer = make_adamw([{"params": self.actor.policy_parameters(), "lr": args.lr}],
+                                    0.0)  # the trainer's optimizer
         self.generator = torch.Generator().manual_seed(args.seed)
         self.prompt_ids = [self.policy.chat_prompt(messages(p)) for p in problems]
         self.run = Run("tracerl")

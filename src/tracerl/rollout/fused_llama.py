@@ -243,9 +243,10 @@ def _stack_bias(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
     )
 
 
-def pack_llama(model: torch.nn.Module) -> PackedLlama:
-    """Read ``model``'s current weights into the fused layout; ValueError if it does not qualify."""
-    reason = unsupported_reason(model)
+def pack_llama(model: torch.nn.Module, *, check: bool = True) -> PackedLlama:
+    """Read ``model``'s current weights into the fused layout; ValueError if it does not qualify
+    (``check=False``: the caller has just asked ``unsupported_reason``)."""
+    reason = unsupported_reason(model) if check else None
     if reason is not None:
         raise ValueError(f"{type(model).__name__} cannot use the fused Llama path: {reason}")
     config: Any = model.config
@@ -559,6 +560,7 @@ def fused_sequence_forward(
     position_ids: torch.Tensor,
     *,
     head: bool = True,
+    check: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Logits ``(B, T, V)`` and final hidden states ``(B, T, hidden)`` of whole sequences,
     differentiable with respect to ``model``'s parameters: the training-side twin of the
@@ -581,9 +583,9 @@ def fused_sequence_forward(
     ``head=False`` skips the output head (logits None): a caller that needs logits at a few
     positions only applies ``fused_head`` to those, which at a small model's vocabulary is
     most of the forward's arithmetic saved. ValueError if the model does not qualify
-    (``unsupported_reason``).
+    (``unsupported_reason``; ``check=False`` when the caller has just asked it).
     """
-    p = pack_llama(model)
+    p = pack_llama(model, check=check)
     batch, seq = input_ids.shape
     h_q, h_kv, dim = p.n_heads, p.n_kv_heads, p.head_dim
     heads = h_q + 2 * h_kv

@@ -213,11 +213,12 @@ class HFPolicy:
         fused = self.decode_path() == "fused"
         results: list[Completion] = []
         was_training = self.model.training
-        self.model.eval()
+        if not fused:  # the fused path has no dropout: no mode to switch
+            self.model.eval()
         try:
             with torch.inference_mode():
                 # Packed from the weights as they are now: a trainer's update is always seen.
-                packed = pack_llama(self.model) if fused else None
+                packed = pack_llama(self.model, check=False) if fused else None
                 for start in range(0, len(prompt_lists), self.max_batch_size):
                     chunk = prompt_lists[start : start + self.max_batch_size]
                     generators: list[torch.Generator] | torch.Generator = shared
@@ -230,7 +231,8 @@ class HFPolicy:
                         self._generate_batch(chunk, params, stop_ids, generators, packed)
                     )
         finally:
-            self.model.train(was_training)
+            if not fused:
+                self.model.train(was_training)
         return results
 
     def _generate_batch(

@@ -56,7 +56,7 @@ from tracerl.train.sft import (
     supervised_finetune,
     tokenize_demonstration,
 )
-from tracerl.train.update import ActorCritic, RowBatch, freeze_old, ppo_update
+from tracerl.train.update import ActorCritic, RowBatch, freeze_old, make_adamw, ppo_update
 
 Hook = Callable[[str, "Trainer"], None]
 """Called after every phase with its name (``collect``, ``verify``, ``advantages``, ``update``,
@@ -157,10 +157,10 @@ class Trainer:
         self.tokenizer = tokenizer
         self.actor = ActorCritic(model, config.critic, config.rollout.temperature)
         self.policy = HFPolicy(model, tokenizer, max_batch_size=config.rollout.concurrency)
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = make_adamw(
             [{"params": self.actor.policy_parameters(), "lr": config.update.lr},
              {"params": self.actor.critic_parameters(), "lr": config.critic.lr}],
-            weight_decay=config.update.weight_decay)
+            config.update.weight_decay)
         self.generator = torch.Generator().manual_seed(config.seed)
         if latest is not None:
             self.state, extra = ckpt.load_trainer_file(latest)

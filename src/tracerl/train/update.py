@@ -177,7 +177,7 @@ class ActorCritic(torch.nn.Module):
         sparse = fused and needed is not None and not need_entropy
         if fused:
             logits, last_hidden = fused_sequence_forward(self.policy, input_ids, attention,
-                                                         positions, head=not sparse)
+                                                         positions, head=not sparse, check=False)
         else:
             out = self.policy(input_ids=input_ids, attention_mask=attention,
                               position_ids=positions, output_hidden_states=shared)
@@ -379,14 +379,24 @@ def minibatch_step(model: ActorCritic, optimizer: torch.optim.Optimizer, batch: 
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
             dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
-    grad_norm = _grad_norm(model)
-    if config.grad_clip is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    if config.grad_clip is not None:  # returns the norm before clipping
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))
+    else:
+        grad_norm = _grad_norm(model)
     optimizer.step()
     out = {name: value / tokens for name, value in totals.items()} if tokens else {}
     out["update/loss"] = objective
     out["update/grad_norm"] = grad_norm
     return out
+
+
+def make_adamw(param_groups: Any, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW, with torch's fused kernel where the parameters' device and dtype have one (one
+    kernel for all tensors instead of a dozen small ops per tensor: the same update)."""
+    try:
+        return torch.optim.AdamW(param_groups, weight_decay=weight_decay, fused=True)
+    except (RuntimeError, ValueError, TypeError):
+        return torch.optim.AdamW(param_groups, weight_decay=weight_decay)
 
 
 def _grad_norm(model: torch.nn.Module) -> float:
