@@ -1,4 +1,5 @@
-"""A lean decode path for Llama-architecture causal LMs (Llama, Qwen2, Mistral without sliding window).
+"""Lean decode and training forwards for Llama-architecture causal LMs (Llama, Qwen2, Mistral
+without sliding window).
 
 For a small model, most of a transformers decode step is not arithmetic but bookkeeping: mask
 construction, cache objects, rotary modules, per-projection calls, output dataclasses. This
@@ -14,10 +15,20 @@ module runs the same mathematics with a handful of tensor ops per layer:
   attention through ``enable_gqa``;
 - logits only for the last position after prefill, and the (tied or untied) head at each step.
 
+Identical prompts in one batch (a group's G samples) are prefilled once and their cache rows
+copied (``FusedLlamaDecoder.repeat_rows``).
+
 Freshness: ``pack_llama`` reads the module's parameters when called and ``HFPolicy`` calls it at
 every ``generate()``, so a trainer's weight update is always seen by the next call; the packed
 matrices are the only copies and live for one call. Their cost is one pass over the weights,
 about what a single decode step reads anyway.
+
+Training: ``fused_sequence_forward`` is the same mathematics over whole sequences and
+differentiable (the packed matrices are ``torch.cat`` of the parameters, so gradients reach
+each projection). The update (``train.update.ActorCritic.evaluate``) uses it: per-token work
+runs on real tokens only, a prefix shared by several rows is computed once
+(``shared_prefix_owner``), and the output head can be applied at chosen positions only
+(``fused_head``).
 """
 
 from __future__ import annotations
