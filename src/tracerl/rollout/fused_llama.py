@@ -624,18 +624,20 @@ def fused_sequence_forward(
         x = _rms_norm(hidden, w.input_norm, w.input_norm_eps)
         qkv = F.linear(x, w.qkv, w.qkv_bias).view(-1, heads, dim)
         qkv = torch.cat([_rotate(qkv[:, : h_q + h_kv], cos, sin), qkv[:, h_q + h_kv:]], dim=1)
-        laid = torch.cat([qkv, qkv.new_zeros(1, heads, dim)])[source]
+        # index_select, not [source]: its backward is an index_add, far cheaper on CPU than
+        # the accumulating index_put that advanced indexing's backward runs.
+        laid = torch.cat([qkv, qkv.new_zeros(1, heads, dim)]).index_select(0, source)
         laid = laid.view(batch, seq, heads, dim).transpose(1, 2)  # (B, heads, T, D)
         attn = F.scaled_dot_product_attention(
             laid[:, :h_q], laid[:, h_q:h_q + h_kv], laid[:, h_q + h_kv:], attn_mask=mask,
             enable_gqa=gqa)
-        attn = attn.transpose(1, 2).reshape(batch * seq, h_q * dim)[computed]
+        attn = attn.transpose(1, 2).reshape(batch * seq, h_q * dim).index_select(0, computed)
         hidden = hidden + F.linear(attn, w.o, w.o_bias)
         x = _rms_norm(hidden, w.post_norm, w.post_norm_eps)
         gate, up = F.linear(x, w.gate_up, w.gate_up_bias).split(p.intermediate, dim=-1)
         hidden = hidden + F.linear(F.silu(gate) * up, w.down, w.down_bias)
     hidden = _rms_norm(hidden, p.final_norm, p.final_norm_eps)
-    laid_out = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[-1])])[source]
+    laid_out = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[-1])]).index_select(0, source)
     laid_out = laid_out.view(batch, seq, -1)
     return (F.linear(laid_out, p.head, p.head_bias) if head else None), laid_out
 

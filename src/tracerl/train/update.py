@@ -187,11 +187,15 @@ class ActorCritic(torch.nn.Module):
         if sparse:
             assert needed is not None and last_hidden is not None
             targets = needed[:, 1:].bool()  # token t is needed: the state before it, t - 1
-            picked = fused_head(self.policy, last_hidden[:, :-1][targets])  # (N, V)
-            values_at = logprobs_from_logits(picked, input_ids[:, 1:][targets],
+            rows, width = targets.shape
+            flat = torch.nonzero(targets.reshape(-1)).squeeze(1)
+            states = last_hidden[:, :-1].reshape(rows * width, -1).index_select(0, flat)
+            values_at = logprobs_from_logits(fused_head(self.policy, states),  # (N, V) logits
+                                             input_ids[:, 1:].reshape(-1)[flat],
                                              temperature=self.temperature,
                                              processing="temperature")
-            logprobs = values_at.new_zeros(targets.shape).masked_scatter(targets, values_at)
+            logprobs = values_at.new_zeros(rows * width).index_add(0, flat, values_at)
+            logprobs = logprobs.view(rows, width)
         else:
             assert logits is not None
             logprobs = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:],
