@@ -165,9 +165,10 @@ _REASONS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, str | None]] = (
 
 def _fingerprint(model: torch.nn.Module) -> tuple[Any, ...]:
     # What the verdict depends on and may change after construction: the config object, the
-    # module tree (a LoRA wrapper replaces a Linear), hooks, and each weight's identity.
+    # module tree (a LoRA wrapper replaces a Linear; types guard against a reused id), hooks,
+    # and each weight's identity.
     return (id(getattr(model, "config", None)),
-            *[(id(m), tuple(m._forward_hooks), tuple(m._forward_pre_hooks),
+            *[(id(m), type(m), tuple(m._forward_hooks), tuple(m._forward_pre_hooks),
                id(getattr(m, "weight", None)), "_hf_hook" in m.__dict__) for m in model.modules()])
 
 
@@ -536,18 +537,7 @@ class FusedLlamaDecoder:
 
     def select_rows(self, keep: torch.Tensor) -> bool:
         """Keep only the caller's rows ``keep`` (in that new order); copies written columns only."""
-        new_index = torch.full_like(self.order, -1)
-        new_index[keep] = torch.arange(keep.numel(), device=self.device)
-        mapped = new_index[self.order]  # caller's new row of each internal row, or -1
-        internal = torch.nonzero(mapped >= 0).flatten()  # kept internal rows, still sorted
-        kv = self.kv.new_zeros((*self.kv.shape[:2], internal.numel(), *self.kv.shape[3:]))
-        kv[..., : self.width, :] = self.kv[:, :, internal, :, : self.width]
-        self.kv = kv
-        self.valid = self.valid[internal]
-        self.order = mapped[internal]
-        self.inverse = torch.argsort(self.order)
-        self.lengths = [self.lengths[i] for i in internal.tolist()]
-        self._regroup()
+        self.repeat_rows(keep)
         return True
 
 

@@ -160,9 +160,9 @@ def misremembered_old(line: str, old: str, rng: random.Random) -> str:
                 options += [old.replace(piece, g, 1) for g in group if g != piece]
         if piece.isdigit():
             options += [old.replace(piece, str(int(piece) + d), 1) for d in (1, 2, 3)]
-    if not [o for o in options if o.strip() and o not in line]:
-        options += [g for group in _SWAPS for g in group]
-    options = sorted({o for o in options if o.strip() and o not in line})
+    absent = sorted({o for o in options if o.strip() and o not in line})
+    # Nothing of the same kind is missing from the line: any operator of the table that is.
+    options = absent or sorted({g for group in _SWAPS for g in group if g not in line})
     if not options:
         raise ValueError(f"misremembered_old: every candidate occurs in the line {line!r}")
     return rng.choice(options)
@@ -186,14 +186,16 @@ def plan_kind(rng: random.Random, wrong_fraction: float, recovery_fraction: floa
     return "checked" if rng.random() < check_fraction else "correct"
 
 
-def _edit(path: str | None, line: int | None, before: str, after: str) -> str:
+def _edit(path: str | None, line: int | None, before: str, after: str,
+          old: str | None = None) -> str:
     """A ``replace`` call turning ``before`` into ``after``: the whole text, or (with ``line``)
-    the minimal change within that line; ``path`` None relies on the open file."""
+    the minimal change within that line; ``path`` None relies on the open file. ``old``, when
+    given, replaces the text to find (a wrong one, for a demonstration of the tool's error)."""
     where: dict[str, object] = {} if path is None else {"path": path}
     if line is None:
-        return render_tool_call("replace", {**where, "old": before, "new": after})
-    old, new = minimal_edit(before, after)
-    return render_tool_call("replace", {**where, "line": line, "old": old, "new": new})
+        return render_tool_call("replace", {**where, "old": old or before, "new": after})
+    found, new = minimal_edit(before, after)
+    return render_tool_call("replace", {**where, "line": line, "old": old or found, "new": new})
 
 
 def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random, *,
@@ -218,13 +220,9 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
     named: str | None = None if implicit_path else path
     actions = [render_tool_call("view_file", {} if named is None else {"path": named})]
     if kind == "retry":
-        old, new = minimal_edit(bad, good) if line is not None else (bad, good)
-        where: dict[str, object] = {} if named is None else {"path": named}
-        if line is not None:
-            where["line"] = line
-        actions.append(render_tool_call(
-            "replace", {**where, "old": misremembered_old(bad, old, rng), "new": new}))
-        actions += [_edit(named, line, bad, good), _call("run_tests")]
+        found = minimal_edit(bad, good)[0] if line is not None else bad
+        actions += [_edit(named, line, bad, good, old=misremembered_old(bad, found, rng)),
+                    _edit(named, line, bad, good), _call("run_tests")]
     elif kind in ("correct", "checked"):
         actions.append(_edit(named, line, bad, good))
         if kind == "checked":
