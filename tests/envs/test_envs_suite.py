@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import io
+import random
 import sys
 import types
 
 import pytest
 
 from tracerl.envs.sandbox import Sandbox
-from tracerl.envs.suite import FAMILIES, TEMPLATES, Template, generate_split
+from tracerl.envs.suite import FAMILIES, TEMPLATES, Template, generate_split, make_task
+from tracerl.envs.suite.compose import VARIABLE_NAMES, composed_templates, shape_key
 from tracerl.envs.tasks import Task, validate_tasks
 
 REQUIRED_FAMILIES = {"wrong_operator", "wrong_comparison", "off_by_one", "wrong_constant",
@@ -103,3 +105,44 @@ def test_sample_validates_in_the_sandbox(sandbox: Sandbox) -> None:
 def test_whole_split_validates_in_the_sandbox(sandbox: Sandbox, split: str) -> None:
     checks = validate_tasks(generate_split(split), sandbox, workers=2)  # type: ignore[arg-type]
     assert all(check.ok for check in checks), [c for c in checks if not c.ok][:3]
+
+
+def test_shape_key_ignores_variable_names_only() -> None:
+    first = Template("wrong_operator", "train", ("f",), "a, b", "Return a minus b.",
+                     "    c = a {B} b\n    return c\n", "-", "+", "ab")
+    renamed = Template("wrong_operator", "train", ("g",), "p, q", "Return p minus q.",
+                       "    r = p {B} q\n    return r\n", "-", "+", "ab")
+    other = Template("wrong_operator", "train", ("f",), "a, b", "Return a plus b.",
+                     "    c = a {B} b\n    return c\n", "+", "-", "ab")
+    assert shape_key(first) == shape_key(renamed)
+    assert shape_key(first) != shape_key(other)
+
+
+def test_composed_templates_are_valid_varied_and_not_heldout() -> None:
+    composed = composed_templates()
+    heldout = {shape_key(t) for t in TEMPLATES if t.split == "heldout"}
+    heldout_names = {n for t in TEMPLATES if t.split == "heldout" for n in t.names}
+    for family in FAMILIES:
+        assert sum(t.family == family for t in composed) >= 25, family
+    for index, template in enumerate(composed):
+        assert template.split == "train"
+        assert shape_key(template) not in heldout, template
+        assert not set(template.names) & (heldout_names | VARIABLE_NAMES), template.names
+        assert all(name not in sys.stdlib_module_names for name in template.names)
+        task = make_task(template, random.Random(index), f"composed-{index}")
+        (test_path,) = task.protected
+        (hidden_path,) = task.hidden_files
+        start = {**task.files, **task.hidden_files}
+        fixed = {**start, **(task.solution or {})}
+        assert not _passes(start, test_path) and not _passes(start, hidden_path), template
+        assert _passes(fixed, test_path) and _passes(fixed, hidden_path), template
+
+
+def test_composed_train_split() -> None:
+    first = generate_split("train", seed=1, count=40, composed=True)
+    assert first == generate_split("train", seed=1, count=40, composed=True)
+    assert generate_split("train", seed=1, count=50, composed=True)[:40] == first
+    assert first != generate_split("train", seed=1, count=40)
+    assert {task.family for task in first} == set(FAMILIES)
+    with pytest.raises(ValueError, match="composed: only the train split"):
+        generate_split("heldout", count=4, composed=True)

@@ -17,6 +17,7 @@ from tracerl.train.sft import (
     demonstration_texts,
     plan_kind,
     play_demonstration,
+    search_candidates,
     supervised_finetune,
     tokenize_demonstration,
     wrong_fix,
@@ -75,6 +76,39 @@ def test_retry_demonstration_reads_the_not_found_error_and_edits_again(line_edit
     assert plan_kind(random.Random(0), 0.4, 0.15, 0.3, retry_fraction=1.0) == "retry"
     kinds = {plan_kind(random.Random(s), 0.4, 0.15, 0.3) for s in range(200)}
     assert "retry" not in kinds
+
+
+def test_search_demonstration_tries_wrong_versions_then_the_fix() -> None:
+    tasks = generate_split("train", 0, 28, composed=True)
+    env = CodingEnv(tasks)
+    rng = random.Random(5)
+    tries: list[int] = []
+    try:
+        for task in tasks:
+            demo = play_demonstration(task, "search", env, rng, line_edits=True,
+                                      implicit_path=True)
+            observations = [o for _, o in demo.turns]
+            # view, then (edit OK, test) pairs: FAIL for the wrong versions, PASS for the fix.
+            pairs = list(zip(observations[1:-1:2], observations[2:-1:2], strict=True))
+            assert all(edit == "OK" for edit, _ in pairs)
+            assert [test[:4] for _, test in pairs] == ["FAIL"] * (len(pairs) - 1) + ["PASS"]
+            tries.append(len(pairs))
+    finally:
+        env.close()
+    assert set(tries) == {2, 3}  # one or two wrong tries before the fix
+    assert plan_kind(random.Random(0), 0.4, 0.15, 0.3, search_fraction=1.0) == "search"
+
+
+def test_search_candidates_change_what_the_bug_changed() -> None:
+    rng = random.Random(0)
+    for _ in range(20):
+        for candidate in search_candidates("    d = a + b", "    d = a - b", rng):
+            assert candidate == "    d = a * b"
+    for _ in range(20):
+        found = search_candidates("    return low < n", "    return low <= n", rng)
+        assert 1 <= len(found) <= 2 and len(set(found)) == len(found)
+        assert all(c.startswith("    return low ") and c.endswith(" n") for c in found)
+        assert not {"    return low < n", "    return low <= n"} & set(found)
 
 
 def test_renamed_copies_are_valid_tasks_with_fresh_names() -> None:

@@ -32,6 +32,8 @@ def register(subparsers: Any) -> None:
     export.add_argument("--seed", type=int, default=0, help="generator seed")
     export.add_argument("--count", type=int, default=None,
                         help="number of tasks (default: the split's default size)")
+    export.add_argument("--composed", action="store_true",
+                        help="train split only: draw from the composed templates too")
     export.set_defaults(func=_export)
 
     sandbox = subparsers.add_parser("sandbox", help="run commands in a task's sandbox")
@@ -70,7 +72,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    tasks = generate_split(args.split, seed=args.seed, count=args.count)
+    tasks = generate_split(args.split, seed=args.seed, count=args.count,
+                           composed=args.composed)
     count = dump_tasks(tasks, args.out)
     print(f"wrote {count} {args.split} tasks to {args.out}")
     return 0

@@ -17,6 +17,7 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 
+from tracerl.envs.suite.compose import VARIABLE_NAMES
 from tracerl.envs.tasks import Task
 from tracerl.models.words import WORDS
 
@@ -44,7 +45,7 @@ def _usable(name: str) -> bool:
     that name would shadow it), one of the suite's variable names, or a name that starts like a
     test file."""
     return (name.isidentifier() and not keyword.iskeyword(name) and name not in _RESERVED
-            and not name.startswith("test")
+            and not name.startswith("test") and name not in VARIABLE_NAMES
             and name not in sys.stdlib_module_names and not hasattr(builtins, name))
 
 

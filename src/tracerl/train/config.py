@@ -69,6 +69,10 @@ class TasksConfig:
     """Built-in train tasks to generate (ignored with ``train_file``)."""
     heldout_count: int = 48
     """Built-in held-out tasks to generate (ignored with ``heldout_file``)."""
+    composed_train: bool = False
+    """Draw built-in train tasks from the composed templates too (``envs.suite.compose``:
+    hundreds of function bodies per bug family), so that a small policy learns each family's
+    rule rather than a few bodies' answers. The held-out split is unchanged either way."""
     renamed_copies: int = 0
     """Renamed copies of each train task (function and module given fresh names), so a small
     policy learns to copy names from what it reads instead of memorising the suite's."""
@@ -101,6 +105,11 @@ class SFTConfig:
     """Fraction of demonstrations whose first ``replace`` gives an ``old`` that is not in the
     line (an operator typed from memory), read the tool's ``not found`` error, and make the
     right edit: without them the policy has never seen an error and submits after one."""
+    search_fraction: float = 0.0
+    """Fraction of demonstrations that search with the tests: one or two wrong versions of the
+    buggy part of the line, each followed by a FAIL test run, then the right one, PASS,
+    submit. Unlike ``recovery`` (whose second edit needs the same knowledge as a right first
+    edit), the second try only has to change what the first try changed."""
     task_count: int | None = None
     """Demonstrate only the first this many original train tasks (None: every train task,
     renamed copies included). RL still trains on all of them, so most tasks RL sees are new
@@ -516,6 +525,7 @@ def validate(config: TrainConfig) -> None:
                         "sft.recovery_fraction": config.sft.recovery_fraction,
                         "sft.check_fraction": config.sft.check_fraction,
                         "sft.retry_fraction": config.sft.retry_fraction,
+                        "sft.search_fraction": config.sft.search_fraction,
                         "dynamic.success_prior": config.dynamic.success_prior,
                         "dynamic.success_ema": config.dynamic.success_ema}
     for name, fraction in fractions.items():

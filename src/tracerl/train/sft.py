@@ -31,12 +31,15 @@ from tracerl.rollout.chat_tokens import ChatTokens
 from tracerl.rollout.sampling import logprobs_from_logits
 from tracerl.train.augment import RENAMED_MARK, rename_text
 
-DemoKind = Literal["correct", "checked", "wrong", "wrong_checked", "recovery", "retry"]
+DemoKind = Literal["correct", "checked", "wrong", "wrong_checked", "recovery", "retry",
+                   "search"]
 """What a demonstration shows: ``correct`` (view, right edit, submit), ``checked`` (the same
 with a passing test run before submitting), ``wrong`` (a wrong edit, submitted),
 ``wrong_checked`` (a wrong edit, FAIL, submitted anyway), ``recovery`` (a wrong edit, FAIL, the
 right edit, PASS, submit), ``retry`` (an edit whose ``old`` is not in the line, the tool's
-``error: ... not found``, the right edit, PASS, submit)."""
+``error: ... not found``, the right edit, PASS, submit), ``search`` (one or two wrong
+versions of the buggy part of the line, each tested and FAIL, then the right one, PASS,
+submit: a demonstrator that does not know the fix and uses the tests to find it)."""
 
 
 @dataclass(frozen=True)
@@ -122,12 +125,13 @@ def minimal_edit(before: str, after: str) -> tuple[str, str]:
         grow_left = not grow_left
 
 
-def wrong_fix(bad: str, good: str, rng: random.Random) -> str:
-    """A plausible but wrong version of the line: one operator, comparison or number of the
-    correct line changed to something that is neither the bug nor the fix."""
-    pieces = [(m.start(), m.end(), m.group()) for m in _TOKEN.finditer(good)]
-    options: list[str] = []
-    for start, end, text in pieces:
+def _wrong_options(bad: str, good: str) -> list[tuple[int, int, str]]:
+    """Plausible wrong versions of the line, each with the span of ``good`` it changes: one
+    operator, comparison or number of the correct line changed to something that is neither
+    the bug nor the fix."""
+    options: list[tuple[int, int, str]] = []
+    for match in _TOKEN.finditer(good):
+        start, end, text = match.start(), match.end(), match.group()
         alternatives: list[str] = []
         for group in _SWAPS:
             if text in group:
@@ -137,15 +141,40 @@ def wrong_fix(bad: str, good: str, rng: random.Random) -> str:
         for alternative in alternatives:
             candidate = good[:start] + alternative + good[end:]
             if candidate not in (bad, good):
-                options.append(candidate)
+                options.append((start, end, candidate))
     if not options:
         # No operator or number to change (e.g. ``range(n):``): shift the last bracketed value.
         close = good.rfind(")")
         for shift in (" + 2", " - 2", " * 2"):
             candidate = good[:close] + shift + good[close:] if close > 0 else good + shift
             if candidate not in (bad, good):
-                options.append(candidate)
-    return rng.choice(sorted(set(options)))
+                options.append((max(close, 0), max(close, 0), candidate))
+    return options
+
+
+def wrong_fix(bad: str, good: str, rng: random.Random) -> str:
+    """A plausible but wrong version of the line: one operator, comparison or number of the
+    correct line changed to something that is neither the bug nor the fix."""
+    return rng.choice(sorted({candidate for _, _, candidate in _wrong_options(bad, good)}))
+
+
+def search_candidates(bad: str, good: str, rng: random.Random, most: int = 2) -> list[str]:
+    """One to ``most`` distinct wrong versions of the line for a demonstrator that searches:
+    preferably ones that change the part of the line the bug changed (another operator where
+    the bug's operator is), else any of ``wrong_fix``'s."""
+    ta, tb = _PIECE.findall(bad), _PIECE.findall(good)
+    head = 0
+    while head < min(len(ta), len(tb)) and ta[head] == tb[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(ta), len(tb)) - head and ta[-1 - tail] == tb[-1 - tail]:
+        tail += 1
+    low = len("".join(tb[:head]))
+    high = len(good) - len("".join(tb[len(tb) - tail:])) if tail else len(good)
+    options = _wrong_options(bad, good)
+    near = sorted({c for start, end, c in options if start < max(high, low + 1) and end > low})
+    pool = near or sorted({c for _, _, c in options})
+    return rng.sample(pool, rng.randint(1, min(most, len(pool))))
 
 
 def misremembered_old(line: str, old: str, rng: random.Random) -> str:
@@ -173,11 +202,14 @@ def _call(name: str, **arguments: str) -> str:
 
 
 def plan_kind(rng: random.Random, wrong_fraction: float, recovery_fraction: float,
-              check_fraction: float, retry_fraction: float = 0.0) -> DemoKind:
-    """Draw what a demonstration shows from the configured fractions (``retry_fraction`` is
-    taken from the right ones, after the wrong ones)."""
+              check_fraction: float, retry_fraction: float = 0.0,
+              search_fraction: float = 0.0) -> DemoKind:
+    """Draw what a demonstration shows from the configured fractions (``retry_fraction`` and
+    ``search_fraction`` are drawn first; the others share what is left)."""
     if retry_fraction > 0 and rng.random() < retry_fraction:
         return "retry"
+    if search_fraction > 0 and rng.random() < search_fraction:
+        return "search"
     draw = rng.random()
     if draw < recovery_fraction:
         return "recovery"
@@ -223,6 +255,11 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
         found = minimal_edit(bad, good)[0] if line is not None else bad
         actions += [_edit(named, line, bad, good, old=misremembered_old(bad, found, rng)),
                     _edit(named, line, bad, good), _call("run_tests")]
+    elif kind == "search":
+        current = bad
+        for candidate in [*search_candidates(bad, good, rng), good]:
+            actions += [_edit(named, line, current, candidate), _call("run_tests")]
+            current = candidate
     elif kind in ("correct", "checked"):
         actions.append(_edit(named, line, bad, good))
         if kind == "checked":
@@ -247,8 +284,8 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
 def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                         demos_per_task: int, wrong_fraction: float, recovery_fraction: float,
                         check_fraction: float, seed: int, line_edits: bool = False,
-                        implicit_path: bool = False,
-                        retry_fraction: float = 0.0) -> list[Demonstration]:
+                        implicit_path: bool = False, retry_fraction: float = 0.0,
+                        search_fraction: float = 0.0) -> list[Demonstration]:
     """``demos_per_task`` demonstrations of each task, kinds drawn from the fractions."""
     rng = random.Random(seed)
     env = make_env()
@@ -257,7 +294,7 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
         for task in tasks:
             for _ in range(demos_per_task):
                 kind = plan_kind(rng, wrong_fraction, recovery_fraction, check_fraction,
-                                 retry_fraction)
+                                 retry_fraction, search_fraction)
                 demos.append(play_demonstration(task, kind, env, rng, line_edits=line_edits,
                                                 implicit_path=implicit_path))
     finally:

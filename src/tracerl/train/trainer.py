@@ -190,7 +190,8 @@ class Trainer:
         else:
             count = tasks.train_count if split == "train" else tasks.heldout_count
             loaded = generate_split("train" if split == "train" else "heldout",
-                                    tasks.suite_seed, count)
+                                    tasks.suite_seed, count,
+                                    composed=split == "train" and tasks.composed_train)
         if split == "train" and tasks.renamed_copies:
             loaded = renamed_copies(loaded, tasks.renamed_copies, tasks.suite_seed)
         return loaded
@@ -247,7 +248,8 @@ class Trainer:
                 demos_per_task=sft.demos_per_task, wrong_fraction=sft.wrong_edit_fraction,
                 recovery_fraction=sft.recovery_fraction, check_fraction=sft.check_fraction,
                 seed=self.config.seed, line_edits=sft.line_edits,
-                implicit_path=sft.implicit_path, retry_fraction=sft.retry_fraction)
+                implicit_path=sft.implicit_path, retry_fraction=sft.retry_fraction,
+                search_fraction=sft.search_fraction)
         return self._demos
 
     def chat_tokens(self) -> ChatTokens:
@@ -649,8 +651,9 @@ class Trainer:
             return True
         used = time.perf_counter() - self.started
         per_step = self.step_seconds / self.steps_here if self.steps_here else 0.0
-        # The final evaluation costs about what the first one did (same budget, same tasks).
-        final_eval = self.timings.get("evaluate_before", 0.0)
+        # The final evaluation has the first one's budget and tasks, but a trained policy often
+        # uses more of it (more turns, test runs): allow half as much again.
+        final_eval = 1.5 * self.timings.get("evaluate_before", 0.0)
         return used + per_step + final_eval < budget
 
     def tokens_left_for_step(self) -> bool:

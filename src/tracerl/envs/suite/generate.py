@@ -6,6 +6,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from tracerl.envs.suite.compose import composed_templates
 from tracerl.envs.suite.templates import FAMILIES, TEMPLATES, ArgKind, Split, Template
 from tracerl.envs.tasks import Budget, Task
 
@@ -153,11 +154,14 @@ def make_task(template: Template, rng: random.Random, task_id: str) -> Task:
     )
 
 
-def generate_split(split: Split, seed: int = 0, count: int | None = None) -> list[Task]:
+def generate_split(split: Split, seed: int = 0, count: int | None = None, *,
+                   composed: bool = False) -> list[Task]:
     """The tasks of ``split``: families in turn, templates and values drawn from ``seed``.
 
-    The same (split, seed, count) always gives the same tasks; a larger count extends a
-    smaller one (task i depends only on the seed and i).
+    The same (split, seed, count, composed) always gives the same tasks; a larger count
+    extends a smaller one (task i depends only on the seed and i). ``composed`` (train split
+    only) draws from the hand-written train templates and the composed ones
+    (``suite.compose``): hundreds of bodies per family instead of four to six.
     """
     if split not in DEFAULT_COUNTS:
         raise ValueError(f"split must be one of {sorted(DEFAULT_COUNTS)}, got {split!r}")
@@ -165,8 +169,10 @@ def generate_split(split: Split, seed: int = 0, count: int | None = None) -> lis
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
     families = sorted(FAMILIES)
-    by_family = {f: [t for t in TEMPLATES if t.family == f and t.split == split]
-                 for f in families}
+    if composed and split != "train":
+        raise ValueError(f"composed: only the train split has composed templates, not {split!r}")
+    pool = TEMPLATES + composed_templates() if composed else TEMPLATES
+    by_family = {f: [t for t in pool if t.family == f and t.split == split] for f in families}
     tasks: list[Task] = []
     for index in range(count):
         rng = random.Random(f"{split}:{seed}:{index}")
