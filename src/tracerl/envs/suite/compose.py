@@ -81,7 +81,11 @@ def _precedence_ok(first: str, second: str) -> bool:
     return first == "*" or second in "+-"
 
 
-def _shapes(rng: random.Random) -> Iterator[tuple[str, str, str, str, str, str, ArgKind]]:
+Shape = tuple[str, str, str, str, str, str, ArgKind]
+"""(family, params, doc, body, good, bad, args) of one composed template."""
+
+
+def _shapes(rng: random.Random) -> Iterator[Shape]:
     """(family, params, doc, body, good, bad, args) of every composed template, names drawn
     from ``rng``."""
 
@@ -90,6 +94,15 @@ def _shapes(rng: random.Random) -> Iterator[tuple[str, str, str, str, str, str, 
 
     def local(*taken: str) -> str:
         return rng.choice([n for n in LOCALS if n not in taken])
+
+    def tally(what: str, word: str, right: str, wrong: str, pool: tuple[str, ...],
+              add_item: bool) -> Shape:
+        """A loop that counts (or sums) the items of a list that pass a comparison."""
+        xs, lim, x, v = rng.choice(LISTS), rng.choice(LIMITS), rng.choice(ITEMS), rng.choice(pool)
+        return ("wrong_comparison", f"{xs}, {lim}", f"{what} {xs} that are {word} {lim}.",
+                f"    {v} = 0\n    for {x} in {xs}:\n        if {x} {{B}} {lim}:\n"
+                f"            {v} = {v} + {x if add_item else 1}\n    return {v}\n",
+                right, wrong, "xs_limit")
 
     # -- wrong_operator ------------------------------------------------------------------------
     for o1, w1 in OPS.items():
@@ -146,22 +159,12 @@ def _shapes(rng: random.Random) -> Iterator[tuple[str, str, str, str, str, str, 
                    f"    if {n} {{B}} {{k}}:\n        return '{yes}'\n    return '{no}'\n",
                    c, bad, "n")
         for _ in range(2):
-            xs, lim, x, cnt = (rng.choice(LISTS), rng.choice(LIMITS), rng.choice(ITEMS),
-                               rng.choice(COUNTERS))
-            yield ("wrong_comparison", f"{xs}, {lim}",
-                   f"Count the items of {xs} that are {word} {lim}.",
-                   f"    {cnt} = 0\n    for {x} in {xs}:\n        if {x} {{B}} {lim}:\n"
-                   f"            {cnt} = {cnt} + 1\n    return {cnt}\n", c, bad, "xs_limit")
+            yield tally("Count the items of", word, c, bad, COUNTERS, False)
             xs, lim, x = rng.choice(LISTS), rng.choice(LIMITS), rng.choice(ITEMS)
             yield ("wrong_comparison", f"{xs}, {lim}",
                    f"Return the items of {xs} that are {word} {lim}.",
                    f"    return [{x} for {x} in {xs} if {x} {{B}} {lim}]\n", c, bad, "xs_limit")
-            xs, lim, x, acc = (rng.choice(LISTS), rng.choice(LIMITS), rng.choice(ITEMS),
-                               rng.choice(ACCS))
-            yield ("wrong_comparison", f"{xs}, {lim}",
-                   f"Return the sum of the items of {xs} that are {word} {lim}.",
-                   f"    {acc} = 0\n    for {x} in {xs}:\n        if {x} {{B}} {lim}:\n"
-                   f"            {acc} = {acc} + {x}\n    return {acc}\n", c, bad, "xs_limit")
+            yield tally("Return the sum of the items of", word, c, bad, ACCS, True)
             xs, lim, x = rng.choice(LISTS), rng.choice(LIMITS), rng.choice(ITEMS)
             inverse = NEGATE[c]
             yield ("wrong_comparison", f"{xs}, {lim}",
