@@ -9,15 +9,12 @@ identifier, and nothing else: docstrings that use the same word as prose keep it
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
-import keyword
 import random
 import re
-import sys
 from collections.abc import Mapping, Sequence
 
-from tracerl.envs.suite.compose import VARIABLE_NAMES
+from tracerl.envs.suite.compose import usable_name
 from tracerl.envs.tasks import Task
 from tracerl.models.words import WORDS
 
@@ -41,12 +38,9 @@ def fresh_name(rng: random.Random) -> str:
 
 
 def _usable(name: str) -> bool:
-    """A name that cannot clash: not a keyword, a builtin, a standard-library module (a file of
-    that name would shadow it), one of the suite's variable names, or a name that starts like a
-    test file."""
-    return (name.isidentifier() and not keyword.iskeyword(name) and name not in _RESERVED
-            and not name.startswith("test") and name not in VARIABLE_NAMES
-            and name not in sys.stdlib_module_names and not hasattr(builtins, name))
+    """A name that cannot clash (``suite.compose.usable_name``) and is not one of the
+    hand-written templates' variable names either."""
+    return usable_name(name) and name not in _RESERVED
 
 
 _RESERVED = frozenset(["a", "b", "c", "d", "n", "x", "xs", "i", "k", "out", "total", "count", "limit", "low", "high", "best", "item", "items", "value", "values", "result", "test"])

@@ -88,6 +88,17 @@ _PIECE = re.compile(r"\s+|\w+|[^\w\s]+")
 """Pieces of a line for ``minimal_edit``: whitespace runs, words, symbol runs."""
 
 
+def _common_ends(ta: list[str], tb: list[str]) -> tuple[int, int]:
+    """How many pieces two piece lists share at the start, and then at the end."""
+    head = 0
+    while head < min(len(ta), len(tb)) and ta[head] == tb[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(ta), len(tb)) - head and ta[-1 - tail] == tb[-1 - tail]:
+        tail += 1
+    return head, tail
+
+
 def minimal_edit(before: str, after: str) -> tuple[str, str]:
     """The shortest (old, new) pair, on token boundaries, that turns the line ``before`` into
     ``after`` with one replacement, ``old`` occurring exactly once in ``before``.
@@ -98,12 +109,7 @@ def minimal_edit(before: str, after: str) -> tuple[str, str]:
     if before == after:
         raise ValueError("minimal_edit: the lines are equal; there is nothing to replace")
     ta, tb = _PIECE.findall(before), _PIECE.findall(after)
-    head = 0
-    while head < min(len(ta), len(tb)) and ta[head] == tb[head]:
-        head += 1
-    tail = 0
-    while (tail < min(len(ta), len(tb)) - head and ta[len(ta) - 1 - tail] == tb[len(tb) - 1 - tail]):
-        tail += 1
+    head, tail = _common_ends(ta, tb)
     lo_a, hi_a, lo_b, hi_b = head, len(ta) - tail, head, len(tb) - tail
 
     def piece() -> tuple[str, str]:
@@ -162,15 +168,10 @@ def search_candidates(bad: str, good: str, rng: random.Random, most: int = 2) ->
     """One to ``most`` distinct wrong versions of the line for a demonstrator that searches:
     preferably ones that change the part of the line the bug changed (another operator where
     the bug's operator is), else any of ``wrong_fix``'s."""
-    ta, tb = _PIECE.findall(bad), _PIECE.findall(good)
-    head = 0
-    while head < min(len(ta), len(tb)) and ta[head] == tb[head]:
-        head += 1
-    tail = 0
-    while tail < min(len(ta), len(tb)) - head and ta[-1 - tail] == tb[-1 - tail]:
-        tail += 1
+    tb = _PIECE.findall(good)
+    head, tail = _common_ends(_PIECE.findall(bad), tb)
     low = len("".join(tb[:head]))
-    high = len(good) - len("".join(tb[len(tb) - tail:])) if tail else len(good)
+    high = len(good) - len("".join(tb[len(tb) - tail:]))
     options = _wrong_options(bad, good)
     near = sorted({c for start, end, c in options if start < max(high, low + 1) and end > low})
     pool = near or sorted({c for _, _, c in options})

@@ -60,6 +60,15 @@ _RESERVED = set(keyword.kwlist) | {"len", "range", "append", "True", "False"}
 _LEXEME = re.compile(r"'[^']*'|\w+|\S")
 
 
+def usable_name(name: str) -> bool:
+    """Whether ``name`` can name a task's function and module: an identifier that is not a
+    keyword, a builtin, a standard-library module (a file of that name would shadow it), a
+    variable name of the composed templates, or a name that starts like a test file."""
+    return (name.isidentifier() and not keyword.iskeyword(name) and name not in _RESERVED
+            and name not in VARIABLE_NAMES and not name.startswith("test")
+            and name not in sys.stdlib_module_names and not hasattr(builtins, name))
+
+
 def shape_key(template: Template) -> tuple[str, str]:
     """(docstring, correct code) with the template's variable names replaced by ``v0, v1, ...``
     in order of first appearance: two templates with equal keys differ only in names."""
@@ -364,19 +373,15 @@ def composed_templates() -> tuple[Template, ...]:
     rng = random.Random("tracerl-composed-templates")
     from tracerl.models.words import WORDS
 
-    names = [w for w in WORDS if w.isidentifier() and not keyword.iskeyword(w)
-             and w not in taken_names and w not in _RESERVED and w not in VARIABLE_NAMES
-             and w not in sys.stdlib_module_names and not hasattr(builtins, w)
-             and not w.startswith("test")]
+    names = [w for w in WORDS if usable_name(w) and w not in taken_names]
     seen: set[tuple[str, str, str]] = set()
     out: list[Template] = []
     for family, params, doc, body, good, bad, args in _shapes(rng):
-        if good == bad:
-            continue
         template = Template(family, "train", tuple(rng.sample(names, 2)), params, doc, body,
                             good, bad, args)
-        key = (*shape_key(template), bad)
-        if shape_key(template) in heldout or key in seen:
+        shape = shape_key(template)
+        key = (*shape, bad)
+        if shape in heldout or key in seen:
             continue
         seen.add(key)
         out.append(template)
