@@ -189,8 +189,8 @@ def test_replace_scoped_to_one_line(env: CodingEnv) -> None:
         ("x", token, "argument line must be a line number"),
         (True, token, "argument line must be a line number"),
         (len(lines) + 1, token, f"line must be between 1 and {len(lines)}"),
-        (1, "no such text", "not found in line 1"),
-        (number, " ", "give more context"),
+        (1, "no such text", f"not found in line 1 of {module}:\n1: {lines[0]}"),
+        (number, " ", f"give more context:\n{number}: {target}"),
     ]:
         action = ('<tool_call>' + json.dumps({"name": "replace", "arguments": {
             "path": module, "line": line, "old": old, "new": "y"}}) + '</tool_call>')

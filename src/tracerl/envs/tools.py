@@ -243,7 +243,9 @@ def replace_tool(workspace: Workspace, path: str, old: str, new: str,
         return "error: replace: old must not be empty"
     text = workspace.read(path)
     # The searched span: the whole file, or one line of it (before + span + after == text).
-    before, span, after, where = "", text, "", path
+    # A line-scoped miss quotes the line as view_file shows it, so the next try can copy from
+    # it (an agent that misremembered the text sees what is there, as in SWE-agent's editor).
+    before, span, after, where, shown = "", text, "", path, ""
     if line is not None:
         number = _line_number(line)
         lines = text.splitlines(keepends=True)
@@ -251,11 +253,13 @@ def replace_tool(workspace: Workspace, path: str, old: str, new: str,
             return f"error: replace: line must be between 1 and {len(lines)}, got {line!r}"
         before, span = "".join(lines[: number - 1]), lines[number - 1]
         after, where = "".join(lines[number:]), f"line {number} of {path}"
+        shown = f":\n{number}: " + span.rstrip("\r\n")[:MAX_LINE_CHARS]
     count = span.count(old)
     if count == 0:
-        return f"error: replace: old text not found in {where}"
+        return f"error: replace: old text not found in {where}{shown}"
     if count > 1:
-        return f"error: replace: old text found {count} times in {where}; give more context"
+        return (f"error: replace: old text found {count} times in {where}; give more context"
+                f"{shown}")
     workspace.write(path, before + span.replace(old, new, 1) + after)
     return "OK"
 
