@@ -217,3 +217,26 @@ def test_a_dropped_env_removes_its_workspace(sandbox: Sandbox) -> None:
     del environment
     gc.collect()
     assert not root.exists()
+
+
+def test_replace_without_old_rewrites_the_line(tmp_path: Any) -> None:
+    from tracerl.envs.tools import TOOL_SCHEMAS, Workspace, parse_tool_call, replace_tool
+
+    (tmp_path / "m.py").write_text("def f(n):\n    return n + 7\n")
+    workspace = Workspace(tmp_path)
+    # No leading whitespace in new: the line's indentation is kept.
+    assert replace_tool(workspace, "m.py", None, "return n + 6", line=2) == "OK"
+    assert (tmp_path / "m.py").read_text() == "def f(n):\n    return n + 6\n"
+    # Leading whitespace in new: taken as given.
+    assert replace_tool(workspace, "m.py", None, "  return 0", line=2) == "OK"
+    assert (tmp_path / "m.py").read_text() == "def f(n):\n  return 0\n"
+    assert "give old, or line" in replace_tool(workspace, "m.py", None, "x")
+    assert "line must be between 1 and 2" in replace_tool(workspace, "m.py", None, "x", line=3)
+    call = parse_tool_call('<tool_call>{"name": "replace", "arguments": '
+                           '{"line": 2, "new": "return n"}}</tool_call>')
+    assert call.call is not None and call.call.arguments == {"line": 2, "new": "return n"}
+    missing = parse_tool_call('<tool_call>{"name": "replace", "arguments": {"line": 2}}'
+                              '</tool_call>')
+    assert missing.error == "error: replace: missing argument new"
+    schema = next(s for s in TOOL_SCHEMAS if s["function"]["name"] == "replace")
+    assert schema["function"]["parameters"]["required"] == ["new"]

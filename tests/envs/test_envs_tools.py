@@ -55,7 +55,7 @@ def test_schemas_are_openai_functions_and_render_in_a_chat_template() -> None:
         "{% endfor %}")
     text = tokenizer.apply_chat_template([{"role": "user", "content": "fix it"}],
                                          tools=TOOL_SCHEMAS, tokenize=False)
-    assert "replace(old,new)" in text and "user: fix it" in text
+    assert "replace(new)" in text and "user: fix it" in text
 
 
 def _result(code: int, stdout: str = "", stderr: str = "", timed_out: bool = False) -> SandboxResult:

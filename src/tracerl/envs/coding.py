@@ -204,7 +204,7 @@ class CodingEnv(gym.Env[str, str]):
                 shown = view_file_tool(workspace, path)
                 self.open_file = path
                 return shown
-            return replace_tool(workspace, path, arguments["old"], arguments["new"],
+            return replace_tool(workspace, path, arguments.get("old"), arguments["new"],
                                 arguments.get("line"))
         if name == "write_file":
             return write_file_tool(workspace, arguments["path"], arguments["content"])

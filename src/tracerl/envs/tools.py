@@ -28,14 +28,20 @@ TOOL_NAMES = ("list_files", "view_file", "replace", "write_file", "run_tests", "
 _PARAMS: dict[str, tuple[dict[str, str], str]] = {
     "list_files": ({}, "List the files of the repository, one path per line."),
     "view_file": ({}, "Show a file with line numbers; it becomes the open file."),
-    "replace": ({"old": "Exact text to replace; must occur once (in "
-                 "the file, or in the given line).", "new": "Text to put in its place."},
-                "Replace the one occurrence of `old` in a file (or in one line of it) with `new`."),
+    "replace": ({"old": "Exact text to replace; must occur once (in the file, or in the given "
+                 "line). Leave it out with `line` to rewrite that whole line.",
+                 "new": "Text to put in its place (for a whole line: the indentation is kept "
+                        "when `new` starts without whitespace)."},
+                "Replace the one occurrence of `old` in a file (or in one line of it) with `new`, "
+                "or rewrite line `line`."),
     "write_file": ({"path": "File to write.", "content": "The whole new content."},
                    "Create or overwrite a file."),
     "run_tests": ({}, "Run the visible tests. Answers PASS, or FAIL and what failed."),
     "submit": ({}, "End the attempt; the final files are then checked by hidden tests."),
 }
+
+_NOT_REQUIRED: dict[str, tuple[str, ...]] = {"replace": ("old",)}
+"""String arguments a call may leave out (``replace`` without ``old`` rewrites its ``line``)."""
 
 _OPEN_FILE = ("string", "File, relative to the repository root; default: the open file (the "
                         "last one viewed; at first the task's first editable file).")
@@ -69,7 +75,7 @@ TOOL_SCHEMAS: list[dict[str, Any]] = [
             "parameters": {
                 "type": "object",
                 "properties": _properties(name),
-                "required": list(_PARAMS[name][0]),
+                "required": [p for p in _PARAMS[name][0] if p not in _NOT_REQUIRED.get(name, ())],
             },
         },
     }
@@ -135,12 +141,14 @@ def parse_tool_call(text: str) -> ParseResult:
         return ParseResult(None, f"error: unknown tool {name}. Tools: {', '.join(TOOL_NAMES)}",
                            name, arguments)
     expected = _PARAMS[name][0]
-    missing = [p for p in expected if p not in arguments]
+    missing = [p for p in expected if p not in arguments and p not in _NOT_REQUIRED.get(name, ())]
     optional = _OPTIONAL.get(name, {})
     extra = sorted(set(arguments) - set(expected) - set(optional))
     wrong = [p for p in (*expected, *optional) if p in arguments
              and optional.get(p, ("string",))[0] == "string" and not isinstance(arguments[p], str)]
     bad_line = "line" in optional and "line" in arguments and _line_number(arguments["line"]) is None
+    if name == "replace" and "old" not in arguments and "line" not in arguments:
+        missing.insert(0, "old (or line, to rewrite that whole line)")
     problem = (f"missing argument {missing[0]}" if missing
                else f"unknown argument {extra[0]}" if extra
                else f"argument {wrong[0]} must be a string" if wrong
@@ -236,10 +244,14 @@ def view_file_tool(workspace: Workspace, path: str) -> str:
     return "\n".join(shown) if shown else "(empty file)"
 
 
-def replace_tool(workspace: Workspace, path: str, old: str, new: str,
+def replace_tool(workspace: Workspace, path: str, old: str | None, new: str,
                  line: int | str | None = None) -> str:
-    """Replace the one occurrence of ``old`` in ``path``, or in its line ``line`` when given."""
-    if not old:
+    """Replace the one occurrence of ``old`` in ``path``, or in its line ``line`` when given;
+    with ``old`` None, rewrite the whole line ``line`` (keeping its indentation when ``new``
+    starts without whitespace)."""
+    if old is None and line is None:
+        return "error: replace: give old, or line to rewrite that whole line"
+    if old is not None and not old:
         return "error: replace: old must not be empty"
     text = workspace.read(path)
     # The searched span: the whole file, or one line of it (before + span + after == text).
@@ -254,6 +266,12 @@ def replace_tool(workspace: Workspace, path: str, old: str, new: str,
         before, span = "".join(lines[: number - 1]), lines[number - 1]
         after, where = "".join(lines[number:]), f"line {number} of {path}"
         shown = f":\n{number}: " + span.rstrip("\r\n")[:MAX_LINE_CHARS]
+        if old is None:
+            body = span.rstrip("\r\n")
+            indent = body[: len(body) - len(body.lstrip())] if new == new.lstrip() else ""
+            workspace.write(path, before + indent + new + span[len(body):] + after)
+            return "OK"
+    assert old is not None
     count = span.count(old)
     if count == 0:
         return f"error: replace: old text not found in {where}{shown}"

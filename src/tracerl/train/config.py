@@ -129,6 +129,10 @@ class SFTConfig:
     """Demonstrations edit with ``replace`` scoped to one line (``line``, and ``old``/``new`` as
     short as the change): a small model then copies a line number and one operator instead of
     a whole line of code. False: ``old`` is the whole (stripped) buggy line."""
+    whole_line: bool = False
+    """With ``line_edits``: demonstrations rewrite the bug's line (``replace`` with ``line`` and
+    ``new``, no ``old``; the tool keeps the indentation). The policy then retypes the line it
+    reads, changing it where the bug is, instead of locating and copying a fragment of it."""
 
 
 @dataclass(frozen=True)
@@ -142,9 +146,12 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature of training rollouts (and of sampled evaluation)."""
     top_p: float = 1.0
-    """Nucleus sampling mass (1 = off)."""
+    """Nucleus sampling mass (1 = off), for training rollouts and sampled evaluation alike.
+    Below 1 the sampler's (behavior) distribution is the truncated one while the PPO ratio's
+    old policy is the full softmax: the ``mismatch.*`` metrics show the gap, and
+    ``update.tis_cap`` can correct for it."""
     top_k: int = 0
-    """Top-k sampling (0 = off)."""
+    """Top-k sampling (0 = off); like ``top_p``, for rollouts and sampled evaluation."""
     max_turns: int = 8
     """Most agent turns (tool calls) per attempt before truncation."""
     max_new_tokens: int = 64
@@ -531,6 +538,11 @@ def validate(config: TrainConfig) -> None:
     for name, fraction in fractions.items():
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"{name}: must be in [0, 1], got {fraction}")
+    if config.sft.whole_line and not config.sft.line_edits:
+        raise ValueError("sft.whole_line: rewrites one line, so it needs sft.line_edits: true")
+    if config.sft.whole_line and config.sft.retry_fraction > 0:
+        raise ValueError("sft.retry_fraction: retry demonstrations misremember `old`, which "
+                         "whole-line edits (sft.whole_line) never type; set it to 0")
     if config.sft.recovery_fraction > config.sft.wrong_edit_fraction:
         raise ValueError("sft.recovery_fraction: recoveries follow wrong edits, so it must be "
                          f"<= sft.wrong_edit_fraction ({config.sft.wrong_edit_fraction})")

@@ -220,26 +220,35 @@ def plan_kind(rng: random.Random, wrong_fraction: float, recovery_fraction: floa
 
 
 def _edit(path: str | None, line: int | None, before: str, after: str,
-          old: str | None = None) -> str:
+          old: str | None = None, whole_line: bool = False) -> str:
     """A ``replace`` call turning ``before`` into ``after``: the whole text, or (with ``line``)
-    the minimal change within that line; ``path`` None relies on the open file. ``old``, when
-    given, replaces the text to find (a wrong one, for a demonstration of the tool's error)."""
+    the minimal change within that line, or (``whole_line``) that line rewritten without
+    ``old``, its indentation left to the tool; ``path`` None relies on the open file. ``old``,
+    when given, replaces the text to find (a wrong one, for a demonstration of the tool's
+    error)."""
     where: dict[str, object] = {} if path is None else {"path": path}
     if line is None:
         return render_tool_call("replace", {**where, "old": old or before, "new": after})
+    if whole_line and old is None:
+        return render_tool_call("replace", {**where, "line": line, "new": after.strip()})
     found, new = minimal_edit(before, after)
     return render_tool_call("replace", {**where, "line": line, "old": old or found, "new": new})
 
 
 def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random, *,
-                       line_edits: bool = False, implicit_path: bool = False) -> Demonstration:
+                       line_edits: bool = False, implicit_path: bool = False,
+                       whole_line: bool = False) -> Demonstration:
     """Play one scripted attempt in ``env`` (a ``CodingEnv``); submit is not stepped (its
     observation is never shown to the policy, and verification would only cost time).
 
     ``line_edits``: edits name the line and replace only the changed tokens (see
-    ``minimal_edit``); otherwise ``old`` is the whole stripped buggy line. ``implicit_path``:
+    ``minimal_edit``), or with ``whole_line`` rewrite that line (no ``old`` to copy: the
+    policy retypes the line and changes it where the bug is); otherwise ``old`` is the whole
+    stripped buggy line. ``implicit_path``:
     ``view_file`` and ``replace`` leave out ``path`` and act on the environment's open file
     (the task's first editable file, which is the one with the bug in the built-in suite)."""
+    if whole_line and not line_edits:
+        raise ValueError("play_demonstration: whole_line needs line_edits")
     if line_edits:
         path, number, bad, good = bug_location(task)
         line: int | None = number
@@ -251,26 +260,30 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
         raise ValueError(f"task {task.id}: the bug is in {path}, not in the open file")
     wrong = wrong_fix(bad, good, rng)
     named: str | None = None if implicit_path else path
+
+    def edit(before: str, after: str, old: str | None = None) -> str:
+        return _edit(named, line, before, after, old=old, whole_line=whole_line)
+
     actions = [render_tool_call("view_file", {} if named is None else {"path": named})]
     if kind == "retry":
         found = minimal_edit(bad, good)[0] if line is not None else bad
-        actions += [_edit(named, line, bad, good, old=misremembered_old(bad, found, rng)),
-                    _edit(named, line, bad, good), _call("run_tests")]
+        actions += [edit(bad, good, old=misremembered_old(bad, found, rng)), edit(bad, good),
+                    _call("run_tests")]
     elif kind == "search":
         current = bad
         for candidate in [*search_candidates(bad, good, rng), good]:
-            actions += [_edit(named, line, current, candidate), _call("run_tests")]
+            actions += [edit(current, candidate), _call("run_tests")]
             current = candidate
     elif kind in ("correct", "checked"):
-        actions.append(_edit(named, line, bad, good))
+        actions.append(edit(bad, good))
         if kind == "checked":
             actions.append(_call("run_tests"))
     else:
-        actions.append(_edit(named, line, bad, wrong))
+        actions.append(edit(bad, wrong))
         if kind in ("wrong_checked", "recovery"):
             actions.append(_call("run_tests"))
         if kind == "recovery":
-            actions.append(_edit(named, line, wrong, good))
+            actions.append(edit(wrong, good))
             actions.append(_call("run_tests"))
     turns: list[tuple[str, str | None]] = []
     for action in actions:
@@ -286,8 +299,12 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                         demos_per_task: int, wrong_fraction: float, recovery_fraction: float,
                         check_fraction: float, seed: int, line_edits: bool = False,
                         implicit_path: bool = False, retry_fraction: float = 0.0,
-                        search_fraction: float = 0.0) -> list[Demonstration]:
+                        search_fraction: float = 0.0,
+                        whole_line: bool = False) -> list[Demonstration]:
     """``demos_per_task`` demonstrations of each task, kinds drawn from the fractions."""
+    if whole_line and retry_fraction > 0:
+        raise ValueError("make_demonstrations: retry demonstrations misremember `old`, which "
+                         "whole-line edits do not type; set retry_fraction to 0")
     rng = random.Random(seed)
     env = make_env()
     demos: list[Demonstration] = []
@@ -297,7 +314,8 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                 kind = plan_kind(rng, wrong_fraction, recovery_fraction, check_fraction,
                                  retry_fraction, search_fraction)
                 demos.append(play_demonstration(task, kind, env, rng, line_edits=line_edits,
-                                                implicit_path=implicit_path))
+                                                implicit_path=implicit_path,
+                                                whole_line=whole_line))
     finally:
         env.close()
     return demos

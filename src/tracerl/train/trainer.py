@@ -249,7 +249,7 @@ class Trainer:
                 recovery_fraction=sft.recovery_fraction, check_fraction=sft.check_fraction,
                 seed=self.config.seed, line_edits=sft.line_edits,
                 implicit_path=sft.implicit_path, retry_fraction=sft.retry_fraction,
-                search_fraction=sft.search_fraction)
+                search_fraction=sft.search_fraction, whole_line=sft.whole_line)
         return self._demos
 
     def chat_tokens(self) -> ChatTokens:
@@ -735,6 +735,8 @@ class Trainer:
             "heldout_tasks": len(self.heldout_tasks[: self.config.eval.tasks
                                                     or len(self.heldout_tasks)]),
             "temperature": self.config.rollout.temperature,
+            "top_p": self.config.rollout.top_p,
+            "top_k": self.config.rollout.top_k,
             "policy_dir": str(latest),
             "sft_dir": str(self.run_dir / "sft") if self.config.sft.enabled else None,
             "rl_steps": self.state.step,
