@@ -149,7 +149,8 @@ class RolloutConfig:
     """Nucleus sampling mass (1 = off), for training rollouts and sampled evaluation alike.
     Below 1 the sampler's (behavior) distribution is the truncated one while the PPO ratio's
     old policy is the full softmax: the ``mismatch.*`` metrics show the gap, and
-    ``update.tis_cap`` can correct for it."""
+    ``update.tis_cap`` can correct for it. In the demo's setting 0.8 collapsed the policy
+    within ten steps (docs/training.md): keep 1 for training unless measured otherwise."""
     top_k: int = 0
     """Top-k sampling (0 = off); like ``top_p``, for rollouts and sampled evaluation."""
     max_turns: int = 8
