@@ -14,6 +14,7 @@ from tracerl.envs.faults import FaultConfig
 from tracerl.envs.sandbox import Sandbox
 from tracerl.envs.suite import generate_split
 from tracerl.envs.tasks import Task
+from tracerl.envs.tools import TOOL_SCHEMAS, Workspace, parse_tool_call, replace_tool
 
 
 def call(name: str, **arguments: str) -> str:
@@ -220,8 +221,6 @@ def test_a_dropped_env_removes_its_workspace(sandbox: Sandbox) -> None:
 
 
 def test_replace_without_old_rewrites_the_line(tmp_path: Any) -> None:
-    from tracerl.envs.tools import TOOL_SCHEMAS, Workspace, parse_tool_call, replace_tool
-
     (tmp_path / "m.py").write_text("def f(n):\n    return n + 7\n")
     workspace = Workspace(tmp_path)
     # No leading whitespace in new: the line's indentation is kept.

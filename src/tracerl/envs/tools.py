@@ -40,8 +40,9 @@ _PARAMS: dict[str, tuple[dict[str, str], str]] = {
     "submit": ({}, "End the attempt; the final files are then checked by hidden tests."),
 }
 
-_NOT_REQUIRED: dict[str, tuple[str, ...]] = {"replace": ("old",)}
-"""String arguments a call may leave out (``replace`` without ``old`` rewrites its ``line``)."""
+_INSTEAD: dict[str, dict[str, str]] = {"replace": {"old": "line"}}
+"""Arguments a call may leave out when another is given: ``replace`` without ``old`` rewrites
+its ``line``. Not ``required`` in the schema; refused at parse time when neither is given."""
 
 _OPEN_FILE = ("string", "File, relative to the repository root; default: the open file (the "
                         "last one viewed; at first the task's first editable file).")
@@ -75,7 +76,7 @@ TOOL_SCHEMAS: list[dict[str, Any]] = [
             "parameters": {
                 "type": "object",
                 "properties": _properties(name),
-                "required": [p for p in _PARAMS[name][0] if p not in _NOT_REQUIRED.get(name, ())],
+                "required": [p for p in _PARAMS[name][0] if p not in _INSTEAD.get(name, {})],
             },
         },
     }
@@ -141,14 +142,14 @@ def parse_tool_call(text: str) -> ParseResult:
         return ParseResult(None, f"error: unknown tool {name}. Tools: {', '.join(TOOL_NAMES)}",
                            name, arguments)
     expected = _PARAMS[name][0]
-    missing = [p for p in expected if p not in arguments and p not in _NOT_REQUIRED.get(name, ())]
+    instead = _INSTEAD.get(name, {})
+    missing = [p if p not in instead else f"{p} (or {instead[p]})" for p in expected
+               if p not in arguments and instead.get(p) not in arguments]
     optional = _OPTIONAL.get(name, {})
     extra = sorted(set(arguments) - set(expected) - set(optional))
     wrong = [p for p in (*expected, *optional) if p in arguments
              and optional.get(p, ("string",))[0] == "string" and not isinstance(arguments[p], str)]
     bad_line = "line" in optional and "line" in arguments and _line_number(arguments["line"]) is None
-    if name == "replace" and "old" not in arguments and "line" not in arguments:
-        missing.insert(0, "old (or line, to rewrite that whole line)")
     problem = (f"missing argument {missing[0]}" if missing
                else f"unknown argument {extra[0]}" if extra
                else f"argument {wrong[0]} must be a string" if wrong
