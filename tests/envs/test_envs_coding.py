@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -239,3 +240,32 @@ def test_replace_without_old_rewrites_the_line(tmp_path: Any) -> None:
     assert missing.error == "error: replace: missing argument new"
     schema = next(s for s in TOOL_SCHEMAS if s["function"]["name"] == "replace")
     assert schema["function"]["parameters"]["required"] == ["new"]
+
+
+def test_undo_restores_edits_in_reverse_order(sandbox: Sandbox) -> None:
+    tasks = [dataclasses.replace(t, budget=None) for t in generate_split("train", count=2)]
+    env = CodingEnv(tasks, sandbox=sandbox, max_turns=20)
+    env.reset(seed=0, options={"task_index": 0})
+    assert env.task is not None and env.workspace is not None
+    module, _, source = _parts(env.task)
+    number = next(i for i, line in enumerate(source.splitlines(), 1) if "return" in line)
+    target = source.splitlines()[number - 1]
+    assert env.step(call("undo"))[0] == "error: undo: nothing to undo"
+    # A replace that does not apply leaves nothing to undo.
+    assert env.step(call("replace", line=str(number), old="no such text", new="x"))[0].startswith(
+        "error:")
+    assert env.step(call("undo"))[0] == "error: undo: nothing to undo"
+    assert env.step(call("replace", line=str(number), old="return", new="return  "))[0] == "OK"
+    assert env.step(call("write_file", path="notes.txt", content="hi"))[0] == "OK"
+    assert env.step(call("write_file", path=module, content="x = 1\n"))[0] == "OK"
+    # Last in, first out: the whole file, the created file, then the line (shown again).
+    assert env.step(call("undo"))[0] == "OK"
+    assert env.step(call("undo"))[0] == "OK: notes.txt removed"
+    assert not (env.workspace.root / "notes.txt").exists()
+    assert env.step(call("undo"))[0] == f"OK\n{number}: {target}"
+    assert env.workspace.read(module) == source
+    assert env.step(call("undo"))[0] == "error: undo: nothing to undo"
+    # A new attempt starts with an empty history.
+    env.reset(seed=0, options={"task_index": 1})
+    assert env.step(call("undo"))[0] == "error: undo: nothing to undo"
+    env.close()

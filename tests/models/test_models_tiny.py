@@ -76,7 +76,7 @@ def _shared_tokenizer():  # type: ignore[no-untyped-def]
 def test_frequent_words_and_indentation_are_single_tokens(tokenizer) -> None:  # type: ignore[no-untyped-def]
     pieces = tokenizer.convert_ids_to_tokens(tokenizer.encode(CODE, add_special_tokens=False))
     decoded = [tokenizer.convert_tokens_to_string([p]) for p in pieces]
-    for word in ("return", "self", "\n    ", "\n        ", "):", "IndexError"):
+    for word in ("return", "self", "\n    ", "\n        ", "IndexError"):
         assert word in decoded, word
     # Tool-call markers are one token each and survive skip_special_tokens.
     call = render_tool_call("edit", {"path": "a.py"})
@@ -84,6 +84,23 @@ def test_frequent_words_and_indentation_are_single_tokens(tokenizer) -> None:  #
     assert ids[0] == tokenizer.convert_tokens_to_ids(TOOL_CALL_OPEN)
     assert ids[-1] == tokenizer.convert_tokens_to_ids(TOOL_CALL_CLOSE)
     assert tokenizer.decode(ids, skip_special_tokens=True) == call
+
+
+def test_operators_in_a_tool_call_are_the_code_s_tokens() -> None:
+    # Frequent `"old": ">=",`-like runs would merge into one token under a pattern that lets
+    # quotes and operators share a chunk; then the policy could not copy an operator.
+    ops = (">=", "<=", "-", "+", "[-1]", "!=")
+    pairs = [(a, b) for a in ops for b in ops if a != b]
+    calls = [render_tool_call("replace", {"line": 6, "old": a, "new": b}) for a, b in pairs]
+    code = ["    if x >= y and a - b != 0:", "    return xs[-1] + ys[0] <= 3"]
+    tokenizer = train_tokenizer(calls * 20 + code * 20, vocab_size=400)
+    for call, (op, _) in zip(calls, pairs, strict=True):
+        ids = tokenizer.encode(call, add_special_tokens=False)
+        run = tokenizer.encode(op, add_special_tokens=False)
+        assert any(ids[i:i + len(run)] == run for i in range(len(ids))), (op, call)
+    for piece in (">=", "-", "!=", "<=", "+", "[", "]"):
+        run = tokenizer.encode(piece, add_special_tokens=False)
+        assert len(run) == 1, piece  # merged in the code, and the same token in the calls
 
 
 def test_training_is_deterministic() -> None:

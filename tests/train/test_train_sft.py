@@ -262,3 +262,38 @@ def test_whole_line_demonstrations_rewrite_the_line_and_pass() -> None:
         env.close()
     with pytest.raises(ValueError, match="whole_line needs line_edits"):
         play_demonstration(tasks[0], "correct", CodingEnv(tasks), rng, whole_line=True)
+
+
+def test_undo_demonstrations_make_every_try_on_the_original_line() -> None:
+    tasks = generate_split("train", 0, 28, composed=True)
+    env = CodingEnv(tasks)
+    rng = random.Random(5)
+    passed_wrong = 0
+    try:
+        for task in tasks:
+            _, number, bad, _ = bug_location(task)
+            for kind in ("recovery", "search"):
+                demo = play_demonstration(task, kind, env, rng, line_edits=True,
+                                          implicit_path=True, undo=True)
+                names = [json.loads(a.split("<tool_call>")[1].split("</tool_call>")[0])["name"]
+                         for a, _ in demo.turns]
+                # Each wrong try: edit, FAIL, undo (the line shown as the task gave it); a
+                # wrong try that passes the visible tests is submitted.
+                tries = names.count("replace")
+                assert len(names) <= 8 and demo.turns[-2][1] == "PASS"
+                if tries == 1:
+                    passed_wrong += 1
+                    continue
+                assert tries == 2 and names.count("undo") == 1
+                for i, name in enumerate(names):
+                    if name == "undo":
+                        assert names[i - 2:i] == ["replace", "run_tests"]
+                        assert demo.turns[i - 1][1].startswith("FAIL")
+                        assert demo.turns[i][1] == f"OK\n{number}: {bad}"
+                edits = [json.loads(a.split("<tool_call>")[1].split("</tool_call>")[0])
+                         for a, _ in demo.turns if '"replace"' in a]
+                # Every edit's old text is a piece of the buggy line, never of a wrong version.
+                assert all(e["arguments"]["old"] in bad for e in edits)
+    finally:
+        env.close()
+    assert passed_wrong < 10  # rare: most wrong tries fail the visible tests

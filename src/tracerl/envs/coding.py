@@ -30,10 +30,12 @@ from tracerl.envs.faults import FaultConfig, FaultInjector, FaultKind
 from tracerl.envs.sandbox import Sandbox
 from tracerl.envs.tasks import Task, write_files
 from tracerl.envs.tools import (
+    MAX_LINE_CHARS,
     TOOL_SCHEMAS,
     PathError,
     Workspace,
     failure_excerpt,
+    line_number,
     list_files_tool,
     parse_tool_call,
     replace_tool,
@@ -119,6 +121,9 @@ class CodingEnv(gym.Env[str, str]):
         editable = [p for p in sorted(task.files) if p not in task.protected]
         self.open_file = editable[0] if editable else None
         self.tool_calls = []
+        self._edits: list[tuple[str, str | None, int | None]] = []
+        """Undo history: (path, its text before the edit or None if the edit created it, the
+        line a line-scoped replace named)."""
         self._turn, self._started, self._done = 0, time.monotonic(), False
         listing = "\n".join(sorted(task.files))
         observation = f"{task.instruction}\nFiles:\n{listing}"
@@ -204,13 +209,38 @@ class CodingEnv(gym.Env[str, str]):
                 shown = view_file_tool(workspace, path)
                 self.open_file = path
                 return shown
-            return replace_tool(workspace, path, arguments.get("old"), arguments["new"],
-                                arguments.get("line"))
+            previous = workspace.read(path) if workspace.exists(path) else None
+            result = replace_tool(workspace, path, arguments.get("old"), arguments["new"],
+                                  arguments.get("line"))
+            if result == "OK":
+                self._edits.append((path, previous, line_number(arguments.get("line"))))
+            return result
         if name == "write_file":
-            return write_file_tool(workspace, arguments["path"], arguments["content"])
+            path = arguments["path"]
+            previous = workspace.read(path) if workspace.exists(path) else None
+            result = write_file_tool(workspace, path, arguments["content"])
+            self._edits.append((path, previous, None))
+            return result
+        if name == "undo":
+            return self._undo()
         if name == "run_tests":
             return failure_excerpt(self.sandbox.run(workspace.root, self.task.test_command))
         raise ValueError(f"no such tool {name!r}")  # parse_tool_call lets none through
+
+    def _undo(self) -> str:
+        """Restore the file the last edit changed; a line-scoped replace shows its line again."""
+        assert self.workspace is not None
+        if not self._edits:
+            return "error: undo: nothing to undo"
+        path, previous, line = self._edits.pop()
+        if previous is None:
+            self.workspace.remove(path)
+            return f"OK: {path} removed"
+        self.workspace.write(path, previous)
+        lines = previous.splitlines()
+        if line is not None and line <= len(lines):
+            return f"OK\n{line}: {lines[line - 1][:MAX_LINE_CHARS]}"
+        return "OK"
 
     # -- scoring --------------------------------------------------------------------------
 

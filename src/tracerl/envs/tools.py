@@ -22,7 +22,7 @@ from typing import Any
 from tracerl.envs.sandbox import WORKSPACE_MOUNT, SandboxResult
 from tracerl.envs.tasks import check_relative_path
 
-TOOL_NAMES = ("list_files", "view_file", "replace", "write_file", "run_tests", "submit")
+TOOL_NAMES = ("list_files", "view_file", "replace", "write_file", "undo", "run_tests", "submit")
 """Every tool, in the order the schemas list them."""
 
 _PARAMS: dict[str, tuple[dict[str, str], str]] = {
@@ -36,6 +36,8 @@ _PARAMS: dict[str, tuple[dict[str, str], str]] = {
                 "or rewrite line `line`."),
     "write_file": ({"path": "File to write.", "content": "The whole new content."},
                    "Create or overwrite a file."),
+    "undo": ({}, "Undo the last edit (replace or write_file) that changed a file; an edited "
+                 "line is shown as it is again."),
     "run_tests": ({}, "Run the visible tests. Answers PASS, or FAIL and what failed."),
     "submit": ({}, "End the attempt; the final files are then checked by hidden tests."),
 }
@@ -149,7 +151,7 @@ def parse_tool_call(text: str) -> ParseResult:
     extra = sorted(set(arguments) - set(expected) - set(optional))
     wrong = [p for p in (*expected, *optional) if p in arguments
              and optional.get(p, ("string",))[0] == "string" and not isinstance(arguments[p], str)]
-    bad_line = "line" in optional and "line" in arguments and _line_number(arguments["line"]) is None
+    bad_line = "line" in optional and "line" in arguments and line_number(arguments["line"]) is None
     problem = (f"missing argument {missing[0]}" if missing
                else f"unknown argument {extra[0]}" if extra
                else f"argument {wrong[0]} must be a string" if wrong
@@ -159,7 +161,7 @@ def parse_tool_call(text: str) -> ParseResult:
     return ParseResult(ToolCall(name, dict(arguments)), None, name, arguments)
 
 
-def _line_number(value: Any) -> int | None:
+def line_number(value: Any) -> int | None:
     """A 1-based line number from an integer or a string of digits; None if it is neither."""
     if isinstance(value, bool):
         return None
@@ -221,6 +223,14 @@ class Workspace:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(content, encoding="utf-8")
 
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` is a file of the workspace (refusing paths that leave it)."""
+        return self.resolve(path, must_exist=False).is_file()
+
+    def remove(self, path: str) -> None:
+        """Delete the file ``path`` (undoing the edit that created it)."""
+        self.resolve(path, must_exist=True).unlink()
+
     def snapshot(self, max_bytes: int = 1 << 20) -> dict[str, str]:
         """The text of every regular file (each cut at ``max_bytes``)."""
         files: dict[str, str] = {}
@@ -260,7 +270,7 @@ def replace_tool(workspace: Workspace, path: str, old: str | None, new: str,
     # it (an agent that misremembered the text sees what is there, as in SWE-agent's editor).
     before, span, after, where, shown = "", text, "", path, ""
     if line is not None:
-        number = _line_number(line)
+        number = line_number(line)
         lines = text.splitlines(keepends=True)
         if number is None or number > len(lines):
             return f"error: replace: line must be between 1 and {len(lines)}, got {line!r}"

@@ -22,6 +22,7 @@ from tracerl.envs.coding import CodingEnv
 from tracerl.envs.faults import FaultConfig
 from tracerl.envs.sandbox import Sandbox
 from tracerl.envs.tasks import Task
+from tracerl.eval.behaviour import behaviour
 from tracerl.eval.judge import Judge, JudgeConfig, independence_warning
 from tracerl.eval.summary import summarize
 from tracerl.rollout.chat_tokens import read_conversation
@@ -203,6 +204,7 @@ def evaluate(policy: Any, tasks: Sequence[Task], settings: EvalSettings, *, sand
     result = summarize(attempts, {t.id: t.family for t in tasks}, max_k=settings.samples,
                        seed=settings.seed, resamples=settings.bootstrap_resamples)
     result["wall_seconds"] = wall
+    result["behaviour"] = behaviour(policy, attempts)
     result["settings"] = asdict(settings)
     result["faults"] = None if faults is None else asdict(faults)
     if judge is not None:
@@ -270,6 +272,13 @@ def format_result(result: Mapping[str, Any]) -> str:
                      f"{block['success']:>9.3f}   [{lo:.3f}, {hi:.3f}]")
     lines.append("")
     lines.append("endings  " + "  ".join(f"{k}:{v}" for k, v in result["by_ending"].items() if v))
+    acts = result.get("behaviour")
+    if acts and acts["actions"]:
+        fail = acts["after_fail"]
+        lines.append(f"behaviour  edits {acts['edits']} (applied {acts['edits_applied'] or 0:.3f})"
+                     f"  malformed calls {acts['malformed']:.3f}  failing test runs "
+                     f"{fail['count']}, then tried again "
+                     f"{'-' if fail['retry'] is None else format(fail['retry'], '.3f')}")
     flags = result["hack_flags"]
     lines.append(f"hack flags {flags['count']}  " + "  ".join(
         f"{k}:{v}" for k, v in flags["by_kind"].items() if v))

@@ -62,9 +62,14 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *ROLE_TOKENS
 
 # Chunks that BPE may not merge across: a newline plus the indentation after it, a run of
 # spaces/tabs, a word or number (identifiers are split at underscores, so ``keep_big`` is
-# ``keep`` ``_`` ``big``), a run of underscores, or a run of other symbols. Every character of the
-# input falls in exactly one chunk, so nothing is lost before the byte mapping.
-_CHUNK_PATTERN = r"\n[ \t]*|[ \t]+|[^\W_]+|_+|[^\w\s]+|\s"
+# ``keep`` ``_`` ``big``), a run of underscores, one bracket, a run of JSON punctuation
+# (``{}:,"``), or a run of other symbols (operators). Operators never merge with the quotes
+# and commas of a tool call's JSON, nor with brackets, so ``>=`` or ``-`` typed as a
+# ``replace`` argument (``"old": ">="``) is the same token as in the code it was read from:
+# copying is then token identity. (Merged, a sampled ``"-"!=",`` broke the JSON and an
+# operator had a different token in each place.) Every character of the input falls in
+# exactly one chunk, so nothing is lost before the byte mapping.
+_CHUNK_PATTERN = r'\n[ \t]*|[ \t]+|[^\W_]+|_+|[()\[\]]|[{}:,"]+|[^\w\s()\[\]{}:,"]+|\s'
 
 # Jinja chat template. Messages are ``{role}content{end}`` with no extra whitespace, so the
 # tokens the model samples after ``<|assistant|>`` are exactly the assistant message. Tool

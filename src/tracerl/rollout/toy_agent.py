@@ -36,7 +36,7 @@ FAILURES: tuple[str, ...] = (
 
 
 def toy_tool_policy(observations: Sequence[str], *, tools: Sequence[Mapping[str, Any]],
-                    steps: int = 120, seed: int = 0, learning_rate: float = 1e-2,
+                    steps: int = 120, seed: int = 0, learning_rate: float = 5e-3,
                     config: TinyModelConfig = TOY_MODEL,
                     test_outputs: Sequence[str] | None = None) -> HFPolicy:
     """A tiny policy that calls ``run_tests`` and then ``submit`` (reliably so when greedy).

@@ -133,6 +133,10 @@ class SFTConfig:
     """With ``line_edits``: demonstrations rewrite the bug's line (``replace`` with ``line`` and
     ``new``, no ``old``; the tool keeps the indentation). The policy then retypes the line it
     reads, changing it where the bug is, instead of locating and copying a fragment of it."""
+    undo: bool = False
+    """``recovery`` and ``search`` demonstrations call ``undo`` after a wrong edit's FAIL, so
+    every try is made on the line as the task gave it (one text to copy from, the first
+    view); off: the next edit changes the wrong version."""
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,21 @@ def run_demo(overrides: list[str] | tuple[str, ...] = (), *, echo: bool = True
     return summary
 
 
+def _behaviour_lines(summary: dict[str, Any], pct: Any) -> list[str]:
+    """How the sampled attempts edited and recovered, before and after RL (if recorded)."""
+    before, after = summary.get("heldout_behaviour_before"), summary.get("heldout_behaviour_after")
+    if not before or not after:
+        return []
+
+    def row(b: dict[str, Any]) -> str:
+        fail = b["after_fail"]
+        return (f"edits applied {pct(b['edits_applied'])}, malformed calls {pct(b['malformed'])},"
+                f" after a FAIL: tried again {pct(fail['retry'])} of {fail['count']}, submitted "
+                f"{pct(fail['next'].get('submit', 0.0) if fail['count'] else None)}")
+
+    return [f"  SFT     {row(before)}", f"  RL      {row(after)}"]
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """A few readable lines of the demo's result."""
     def pct(value: float | None) -> str:
@@ -99,6 +114,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  gain over SFT sampled {pct(target.get('sampled_gain'))} (target "
         f"{pct(SAMPLED_MARGIN)}), over SFT greedy {pct(target.get('greedy_gain'))} (target "
         f"{pct(GREEDY_MARGIN)}): {'met' if target.get('met') else 'NOT met'}",
+        *_behaviour_lines(summary, pct),
         f"  {summary['rl_steps']} RL steps, {summary['wall_seconds']:.0f}s wall, "
         f"{summary['generated_tokens']} tokens generated, {summary['tool_seconds']:.0f}s in tools",
     ]

@@ -237,7 +237,7 @@ def _edit(path: str | None, line: int | None, before: str, after: str,
 
 def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random, *,
                        line_edits: bool = False, implicit_path: bool = False,
-                       whole_line: bool = False) -> Demonstration:
+                       whole_line: bool = False, undo: bool = False) -> Demonstration:
     """Play one scripted attempt in ``env`` (a ``CodingEnv``); submit is not stepped (its
     observation is never shown to the policy, and verification would only cost time).
 
@@ -246,7 +246,9 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
     policy retypes the line and changes it where the bug is); otherwise ``old`` is the whole
     stripped buggy line. ``implicit_path``:
     ``view_file`` and ``replace`` leave out ``path`` and act on the environment's open file
-    (the task's first editable file, which is the one with the bug in the built-in suite)."""
+    (the task's first editable file, which is the one with the bug in the built-in suite).
+    ``undo``: after a wrong edit's FAIL, ``recovery`` and ``search`` call ``undo`` and make the
+    next edit on the original line (otherwise they edit the wrong version)."""
     if whole_line and not line_edits:
         raise ValueError("play_demonstration: whole_line needs line_edits")
     if line_edits:
@@ -271,9 +273,13 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
                     _call("run_tests")]
     elif kind == "search":
         current = bad
-        for candidate in [*search_candidates(bad, good, rng), good]:
+        # With undo a wrong try costs three turns: one of them fits the built-in 8-turn budget.
+        for candidate in [*search_candidates(bad, good, rng, most=1 if undo else 2), good]:
             actions += [edit(current, candidate), _call("run_tests")]
-            current = candidate
+            if undo and candidate != good:
+                actions.append(_call("undo"))
+            else:
+                current = candidate
     elif kind in ("correct", "checked"):
         actions.append(edit(bad, good))
         if kind == "checked":
@@ -283,10 +289,15 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
         if kind in ("wrong_checked", "recovery"):
             actions.append(_call("run_tests"))
         if kind == "recovery":
-            actions.append(edit(wrong, good))
+            if undo:
+                actions += [_call("undo"), edit(bad, good)]
+            else:
+                actions.append(edit(wrong, good))
             actions.append(_call("run_tests"))
     turns: list[tuple[str, str | None]] = []
     for action in actions:
+        if undo and action == _call("undo") and turns and turns[-1][1] == "PASS":
+            break  # the wrong try passed the visible tests: the demonstrator submits it
         observation, _, terminated, truncated, info = env.step(action)
         if terminated or truncated or info.get("tool_error"):
             raise ValueError(f"task {task.id}: demonstration step {action!r} ended the episode")
@@ -299,8 +310,8 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                         demos_per_task: int, wrong_fraction: float, recovery_fraction: float,
                         check_fraction: float, seed: int, line_edits: bool = False,
                         implicit_path: bool = False, retry_fraction: float = 0.0,
-                        search_fraction: float = 0.0,
-                        whole_line: bool = False) -> list[Demonstration]:
+                        search_fraction: float = 0.0, whole_line: bool = False,
+                        undo: bool = False) -> list[Demonstration]:
     """``demos_per_task`` demonstrations of each task, kinds drawn from the fractions."""
     if whole_line and retry_fraction > 0:
         raise ValueError("make_demonstrations: retry demonstrations misremember `old`, which "
@@ -315,7 +326,7 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                                  retry_fraction, search_fraction)
                 demos.append(play_demonstration(task, kind, env, rng, line_edits=line_edits,
                                                 implicit_path=implicit_path,
-                                                whole_line=whole_line))
+                                                whole_line=whole_line, undo=undo))
     finally:
         env.close()
     return demos

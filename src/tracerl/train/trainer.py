@@ -249,7 +249,8 @@ class Trainer:
                 recovery_fraction=sft.recovery_fraction, check_fraction=sft.check_fraction,
                 seed=self.config.seed, line_edits=sft.line_edits,
                 implicit_path=sft.implicit_path, retry_fraction=sft.retry_fraction,
-                search_fraction=sft.search_fraction, whole_line=sft.whole_line)
+                search_fraction=sft.search_fraction, whole_line=sft.whole_line,
+                undo=sft.undo)
         return self._demos
 
     def chat_tokens(self) -> ChatTokens:
@@ -672,6 +673,7 @@ class Trainer:
     def evaluate(self, label: str) -> dict[str, Any]:
         """Held-out success with a fixed budget: K samples per task at the rollout temperature,
         and one greedy attempt per task; hidden-test verdicts, task-level bootstrap CIs."""
+        from tracerl.eval.behaviour import behaviour
         from tracerl.eval.summary import summarize
 
         tasks = self.heldout_tasks[: self.config.eval.tasks or len(self.heldout_tasks)]
@@ -690,10 +692,12 @@ class Trainer:
                                 resamples=self.config.eval.bootstrap_resamples)
             summary["wall_seconds"] = result.wall_seconds
             summary["temperature"] = temperature
+            summary["behaviour"] = behaviour(self.policy, result.attempts)
             (self.run_dir / f"eval_{label}_{name}.json").write_text(
                 json.dumps(summary, indent=1), encoding="utf-8")
             out[name] = {k: summary[k] for k in ("success", "ci95", "pass_at_k",
-                                                 "generated_tokens", "tool_seconds")}
+                                                 "generated_tokens", "tool_seconds",
+                                                 "behaviour")}
         return out
 
     def evaluate_once(self, label: str) -> dict[str, Any]:
@@ -731,6 +735,9 @@ class Trainer:
             "heldout_greedy_ci95_after": after["greedy"]["ci95"] if greedy else None,
             "heldout_pass_at_k_before": sampled_b["pass_at_k"],
             "heldout_pass_at_k_after": sampled_a["pass_at_k"],
+            # Sampled attempts: edits that applied, what followed a FAIL (eval.behaviour).
+            "heldout_behaviour_before": sampled_b.get("behaviour"),
+            "heldout_behaviour_after": sampled_a.get("behaviour"),
             "samples_per_task": self.config.eval.samples_per_task,
             "heldout_tasks": len(self.heldout_tasks[: self.config.eval.tasks
                                                     or len(self.heldout_tasks)]),
