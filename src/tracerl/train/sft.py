@@ -39,7 +39,10 @@ with a passing test run before submitting), ``wrong`` (a wrong edit, submitted),
 right edit, PASS, submit), ``retry`` (an edit whose ``old`` is not in the line, the tool's
 ``error: ... not found``, the right edit, PASS, submit), ``search`` (one or two wrong
 versions of the buggy part of the line, each tested and FAIL, then the right one, PASS,
-submit: a demonstrator that does not know the fix and uses the tests to find it)."""
+submit: a demonstrator that does not know the fix and uses the tests to find it). With
+``undo``, ``recovery`` and ``search`` undo each failed try (FAIL, ``undo``, the line shown as
+the task gave it) and edit that line again; ``search`` then makes one wrong try, as three
+turns per try leave room for one in the built-in 8-turn budget."""
 
 
 @dataclass(frozen=True)
