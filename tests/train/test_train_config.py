@@ -86,3 +86,29 @@ def test_every_field_has_help() -> None:
     rows = describe_config()
     assert len(rows) > 60
     assert all(doc for _, _, doc in rows), [name for name, _, doc in rows if not doc]
+
+
+def test_demo_summary_prints_behaviour_and_the_verdict() -> None:
+    from tracerl.train.demo import format_summary, verdict
+
+    def acts(retry: float, submitted: float) -> dict[str, object]:
+        return {"actions": 100, "malformed": 0.1, "edits": 40, "edits_applied": 0.2,
+                "after_fail": {"count": 10, "retry": retry, "next": {"submit": submitted}},
+                "after_edit": {"count": 8, "next": {"run_tests": 1.0}}}
+
+    summary: dict[str, object] = {
+        "temperature": 1.0, "samples_per_task": 8, "heldout_tasks": 32,
+        "heldout_success_before": 0.164, "heldout_ci95_before": [0.094, 0.25],
+        "heldout_greedy_before": 0.281, "heldout_pass_at_k_before": {"8": 0.531},
+        "heldout_success_after": 0.234, "heldout_ci95_after": [0.141, 0.344],
+        "heldout_greedy_after": 0.438, "heldout_pass_at_k_after": {"8": 0.531},
+        "heldout_behaviour_before": acts(0.22, 0.41), "heldout_behaviour_after": acts(0.36, 0.26),
+        "rl_steps": 28, "wall_seconds": 824.0, "generated_tokens": 601474, "tool_seconds": 138.0}
+    summary["demo_targets"] = verdict(summary)
+    text = format_summary(summary)
+    assert "gain over SFT sampled 7.0% (target 15.0%)" in text and "NOT met" in text
+    assert "after a FAIL: tried again 22.0% of 10, submitted 41.0%" in text
+    assert "after a FAIL: tried again 36.0% of 10, submitted 26.0%" in text
+    # Runs recorded before behaviour statistics existed print without those lines.
+    del summary["heldout_behaviour_before"]
+    assert "tried again" not in format_summary(summary)

@@ -8,6 +8,7 @@ an HTML report. Every number in ``summary.json`` comes from the run; the seeds a
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,7 @@ def run_demo(overrides: list[str] | tuple[str, ...] = (), *, echo: bool = True
     return summary
 
 
-def _behaviour_lines(summary: dict[str, Any], pct: Any) -> list[str]:
+def _behaviour_lines(summary: dict[str, Any], pct: Callable[[float | None], str]) -> list[str]:
     """How the sampled attempts edited and recovered, before and after RL (if recorded)."""
     before, after = summary.get("heldout_behaviour_before"), summary.get("heldout_behaviour_after")
     if not before or not after:
