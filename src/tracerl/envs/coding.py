@@ -209,7 +209,7 @@ class CodingEnv(gym.Env[str, str]):
                 shown = view_file_tool(workspace, path)
                 self.open_file = path
                 return shown
-            previous = workspace.read(path) if workspace.exists(path) else None
+            previous: str | None = workspace.read(path)  # replace needs the file to exist
             result = replace_tool(workspace, path, arguments.get("old"), arguments["new"],
                                   arguments.get("line"))
             if result == "OK":

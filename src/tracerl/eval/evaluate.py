@@ -275,10 +275,12 @@ def format_result(result: Mapping[str, Any]) -> str:
     acts = result.get("behaviour")
     if acts and acts["actions"]:
         fail = acts["after_fail"]
-        lines.append(f"behaviour  edits {acts['edits']} (applied {acts['edits_applied'] or 0:.3f})"
-                     f"  malformed calls {acts['malformed']:.3f}  failing test runs "
-                     f"{fail['count']}, then tried again "
-                     f"{'-' if fail['retry'] is None else format(fail['retry'], '.3f')}")
+        def share(value: float | None) -> str:
+            return "-" if value is None else f"{value:.3f}"
+
+        lines.append(f"behaviour  edits {acts['edits']} (applied {share(acts['edits_applied'])})"
+                     f"  malformed calls {share(acts['malformed'])}  failing test runs "
+                     f"{fail['count']}, then tried again {share(fail['retry'])}")
     flags = result["hack_flags"]
     lines.append(f"hack flags {flags['count']}  " + "  ".join(
         f"{k}:{v}" for k, v in flags["by_kind"].items() if v))
