@@ -10,6 +10,7 @@ import pytest
 
 from tracerl.envs import CodingEnv
 from tracerl.envs.suite import generate_split
+from tracerl.envs.tools import parse_tool_call
 from tracerl.models.tiny import build_tiny_model, train_tokenizer
 from tracerl.rollout import HFPolicy
 from tracerl.rollout.chat_tokens import ChatTokens
@@ -275,8 +276,9 @@ def test_undo_demonstrations_make_every_try_on_the_original_line() -> None:
             for kind in ("recovery", "search"):
                 demo = play_demonstration(task, kind, env, rng, line_edits=True,
                                           implicit_path=True, undo=True)
-                names = [json.loads(a.split("<tool_call>")[1].split("</tool_call>")[0])["name"]
-                         for a, _ in demo.turns]
+                calls = [parse_tool_call(a).call for a, _ in demo.turns]
+                assert all(c is not None for c in calls)
+                names = [c.name for c in calls if c is not None]
                 # Each wrong try: edit, FAIL, undo (the line shown as the task gave it); a
                 # wrong try that passes the visible tests is submitted.
                 tries = names.count("replace")
@@ -290,10 +292,9 @@ def test_undo_demonstrations_make_every_try_on_the_original_line() -> None:
                         assert names[i - 2:i] == ["replace", "run_tests"]
                         assert demo.turns[i - 1][1].startswith("FAIL")
                         assert demo.turns[i][1] == f"OK\n{number}: {bad}"
-                edits = [json.loads(a.split("<tool_call>")[1].split("</tool_call>")[0])
-                         for a, _ in demo.turns if '"replace"' in a]
                 # Every edit's old text is a piece of the buggy line, never of a wrong version.
-                assert all(e["arguments"]["old"] in bad for e in edits)
+                assert all(c.arguments["old"] in bad for c in calls
+                           if c is not None and c.name == "replace")
     finally:
         env.close()
     assert passed_wrong < 10  # rare: most wrong tries fail the visible tests

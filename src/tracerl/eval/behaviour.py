@@ -85,9 +85,8 @@ def behaviour(decoder: Decoder, attempts: Sequence[Attempt]) -> dict[str, Any]:
                     "FAIL"):
                 after_fail[following] += 1
     fail = _shares(after_fail)
-    total_fail = sum(after_fail.values())
-    fail["retry"] = ((after_fail["undo"] + after_fail["replace"]) / total_fail
-                     if total_fail else None)
+    fail["retry"] = ((after_fail["undo"] + after_fail["replace"]) / fail["count"]
+                     if fail["count"] else None)
     return {"actions": actions, "malformed": malformed / actions if actions else None,
             "edits": edits, "edits_applied": applied / edits if edits else None,
             "after_fail": fail, "after_edit": _shares(after_edit)}
