@@ -112,6 +112,27 @@ def test_kl_loss_has_gradient_and_reward_penalty_has_none() -> None:
     assert penalty.tolist()[0] == pytest.approx([0.05, 0.0])
 
 
+def test_kl_clamp_caps_a_collapsed_token_and_its_gradient() -> None:
+    """A token 10 nats below the reference: k3 about 22,000 unclamped; capped at 10 with no
+    gradient, while a token inside the cap keeps its value and gradient."""
+    lp = torch.tensor([[-11.0, -1.2]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1]])
+    raw, metrics = kl_loss(lp, ref, mask, "k3")
+    assert raw[0, 0].item() == pytest.approx(math.expm1(10.0) - 10.0)
+    capped, capped_metrics = kl_loss(lp, ref, mask, "k3", clamp=10.0)
+    assert capped[0, 0].item() == 10.0
+    assert capped[0, 1].item() == pytest.approx(math.expm1(0.2) - 0.2)
+    assert capped_metrics["kl_loss/k3"] == metrics["kl_loss/k3"]
+    assert capped_metrics["kl_loss/clamped_fraction"] == 0.5
+    capped.sum().backward()
+    assert lp.grad is not None
+    assert lp.grad[0, 0].item() == 0.0
+    assert lp.grad[0, 1].item() == pytest.approx(1.0 - math.exp(0.2))
+    with pytest.raises(ValueError, match="clamp"):
+        kl_loss(lp, ref, mask, "k3", clamp=0.0)
+
+
 def test_truncated_importance_weights_token_and_sequence() -> None:
     old = _lp(0.5, 0.9, 0.5)
     behavior = _lp(0.5, 0.3, 0.25)

@@ -73,6 +73,14 @@ def test_other_cross_field_rules() -> None:
         config_from_dict({"critic": {"kind": "value_head"}})
     with pytest.raises(ValueError, match=r"rollout\.temperature"):
         config_from_dict({"rollout": {"temperature": 0.0}})
+    with pytest.raises(ValueError, match=r"update\.kl_coef: must be >= 0, got -0\.1"):
+        config_from_dict({"update": {"kl_coef": -0.1}})
+    with pytest.raises(ValueError, match=r"update\.kl_clamp"):
+        config_from_dict({"update": {"kl_clamp": 0.0}})
+    with pytest.raises(ValueError, match=r"update\.warmup_steps"):
+        config_from_dict({"update": {"warmup_steps": -1}})
+    # A negative entropy weight is entropy minimisation, not an error.
+    assert config_from_dict({"update": {"entropy_coef": -0.1}}).update.entropy_coef == -0.1
 
 
 def test_dump_round_trips(tmp_path: Path) -> None:

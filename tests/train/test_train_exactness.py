@@ -166,3 +166,29 @@ def test_fused_forward_gives_the_transformers_update(critic_kind: str,
     for model in (fused, plain):
         step(model, batch, config, critic)
     assert torch.allclose(params(fused), params(plain), atol=1e-9, rtol=0)
+
+
+def test_warm_up_raises_the_rate_linearly_and_resumes_where_it_stopped() -> None:
+    """``update.warmup_steps``: rate k+1/N of the base for the (k+1)-th step, then the base;
+    the count comes from the optimizer's state, so a restored optimizer continues."""
+    from tracerl.train.update import make_adamw, warm_up
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = make_adamw([{"params": [weight], "lr": 0.4}], weight_decay=0.0)
+    seen = []
+    for _ in range(3):
+        warm_up(optimizer, 4)
+        seen.append(optimizer.param_groups[0]["lr"])
+        weight.grad = torch.ones(3)
+        optimizer.step()
+    resumed = make_adamw([{"params": [weight], "lr": 0.4}], weight_decay=0.0)
+    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    for _ in range(2):
+        warm_up(resumed, 4)
+        seen.append(resumed.param_groups[0]["lr"])
+        weight.grad = torch.ones(3)
+        resumed.step()
+    assert seen == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.4])
+    plain = make_adamw([{"params": [weight], "lr": 0.4}], weight_decay=0.0)
+    warm_up(plain, 0)
+    assert plain.param_groups[0]["lr"] == 0.4

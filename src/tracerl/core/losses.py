@@ -258,14 +258,28 @@ def kl_loss(
     ref_logprobs: torch.Tensor,
     action_mask: torch.Tensor,
     estimator: KLEstimator = "k3",
+    clamp: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL to the reference as a **loss term**: [B, T], differentiable in ``logprobs``.
 
     Add ``coef * loss`` to the policy loss before reduction (GRPO-style KL regularisation).
+
+    ``clamp``: cap each token's estimate at this value (no gradient beyond it). k3's
+    ``exp(ref - logp)`` is unbounded: one token whose probability fell 10 nats below the
+    reference's gives a value of about 22,000 and a gradient as large, which then decides the
+    whole clipped update. The metric is the unclamped mean; ``kl_loss/clamped_fraction`` counts
+    the capped tokens.
     """
+    if clamp is not None and not clamp > 0:
+        raise ValueError(f"clamp must be > 0 or None, got {clamp!r}")
     value = kl_estimate(logprobs, ref_logprobs, estimator)
     maskf = _mask(action_mask, value.shape, value.dtype)
-    return value * maskf, {f"kl_loss/{estimator}": _masked_mean(value, maskf)}
+    metrics = {f"kl_loss/{estimator}": _masked_mean(value, maskf)}
+    if clamp is not None:
+        over = (value.detach() > clamp).to(value.dtype)
+        metrics["kl_loss/clamped_fraction"] = _masked_mean(over, maskf)
+        value = value.clamp(max=clamp)
+    return value * maskf, metrics
 
 
 def kl_reward_penalty(

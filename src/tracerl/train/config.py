@@ -76,6 +76,11 @@ class TasksConfig:
     renamed_copies: int = 0
     """Renamed copies of each train task (function and module given fresh names), so a small
     policy learns to copy names from what it reads instead of memorising the suite's."""
+    rl_count: int = 0
+    """Built-in train tasks made for RL only (with their renamed copies), after the
+    ``train_count`` the demonstrations come from. When above 0, RL draws only from these: the
+    warm start never saw them, so RL's reward measures what transfers rather than what was
+    memorised. 0: RL trains on the demonstrated tasks. Ignored with ``train_file``."""
 
 
 @dataclass(frozen=True)
@@ -224,6 +229,13 @@ class AlgorithmConfig:
     """GAE trace decay λ."""
     whiten: bool = False
     """Whiten advantages over the batch's action tokens."""
+    negative_scale: float = 1.0
+    """Multiply negative advantages by this (after whitening); 1: the estimator's advantages.
+    Below 1 the update leans on reinforcing what succeeded over pushing down what failed: a
+    pushed-down token's probability goes to the others, so negative updates keep (or raise)
+    the policy's entropy and positive ones sharpen it, raising success at a fixed sampling
+    temperature at some cost to pass@k (Zhu et al. 2025 separate the two effects). A group's
+    advantages then no longer sum to zero."""
     step_weight: float = 1.0
     """GiGPO: weight of the step-group advantage added to the episode advantage."""
     step_key: Literal["context", "observation"] = "context"
@@ -258,6 +270,11 @@ class UpdateConfig:
     """Rows per forward/backward; gradients accumulate exactly (weights from the minibatch)."""
     lr: float = 1e-3
     """Policy learning rate (AdamW)."""
+    warmup_steps: int = 0
+    """Optimizer steps over which the learning rates rise linearly to ``lr`` (and the
+    critic's). A fresh AdamW's first steps move every weight by about ``lr`` whatever the
+    gradient's size (the update is m/sqrt(v), near ±1 at first); on a fine-tuned policy that
+    jump is largest where the gradient is noisiest. 0: the full rate from the first step."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float | None = 1.0
@@ -275,11 +292,20 @@ class UpdateConfig:
     dual_clip: float | None = None
     """Dual-clip constant c > 1 for negative advantages; None: off."""
     entropy_coef: float = 0.0
-    """Entropy bonus weight."""
+    """Weight of the policy's entropy on its action tokens: above 0 a bonus (keeps sampling
+    diverse), below 0 a penalty (entropy minimisation: the policy sharpens toward what it
+    already prefers, so its samples at a fixed temperature come closer to its greedy
+    decoding). 0: off."""
     kl_coef: float = 0.0
     """Weight of the KL to the reference (the SFT or initial policy); 0: no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL estimator."""
+    """Per-token KL estimator. In the loss, k2's gradient grows with the log-ratio (linearly);
+    k3's with its exponential, so a few tokens far below the reference's probability can
+    dominate an update (see ``kl_clamp``)."""
+    kl_clamp: float | None = 10.0
+    """Cap on each token's KL estimate in the loss (as verl caps its k3); tokens above it give
+    no KL gradient. One update of a small fine-tuned policy can lower a sampled token's
+    log-probability by 10 nats (k3 about 22,000 there). None: no cap."""
     kl_in: Literal["loss", "reward"] = "loss"
     """KL as a loss term (GRPO-style) or as a per-token reward penalty (needs ``gae``)."""
     tis_cap: float | None = None
@@ -528,6 +554,18 @@ def validate(config: TrainConfig) -> None:
                          f"got {config.max_generated_tokens}")
     if config.sft.task_count is not None and config.sft.task_count < 1:
         raise ValueError(f"sft.task_count: must be >= 1 or null, got {config.sft.task_count}")
+    if config.update.kl_clamp is not None and not config.update.kl_clamp > 0:
+        raise ValueError(f"update.kl_clamp: must be > 0 or null, got {config.update.kl_clamp}")
+    if not 0.0 <= config.algorithm.negative_scale <= 1.0:
+        raise ValueError(f"algorithm.negative_scale: must be in [0, 1], "
+                         f"got {config.algorithm.negative_scale}")
+    if config.update.warmup_steps < 0:
+        raise ValueError(f"update.warmup_steps: must be >= 0, got {config.update.warmup_steps}")
+    if config.tasks.rl_count < 0:
+        raise ValueError(f"tasks.rl_count: must be >= 0, got {config.tasks.rl_count}")
+    if config.tasks.rl_count and config.tasks.train_file is not None:
+        raise ValueError("tasks.rl_count: RL-only tasks come from the built-in suite, but "
+                         "tasks.train_file is set; use 0 with a task file")
     if config.tasks.renamed_copies < 0:
         raise ValueError(f"tasks.renamed_copies: must be >= 0, got {config.tasks.renamed_copies}")
     if config.sft.steps < 0:
@@ -571,8 +609,8 @@ def validate(config: TrainConfig) -> None:
                          "(gae); use kl_in: loss with group methods")
     if u.loss_mode == "constant" and (u.loss_constant is None or u.loss_constant <= 0):
         raise ValueError("update.loss_constant: loss_mode 'constant' needs a positive constant")
-    if u.kl_coef < 0 or u.entropy_coef < 0:
-        raise ValueError("update.kl_coef and update.entropy_coef must be >= 0")
+    if u.kl_coef < 0:
+        raise ValueError(f"update.kl_coef: must be >= 0, got {u.kl_coef}")
     if u.tis_cap is not None and not u.tis_cap >= 1:
         raise ValueError(f"update.tis_cap: must be >= 1 or null, got {u.tis_cap}")
     if config.model.kind == "pretrained" and not config.model.path:

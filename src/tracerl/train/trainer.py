@@ -143,6 +143,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._check_config_file()
         self.train_tasks = self._load_tasks("train")
+        self.rl_tasks = self._load_tasks("rl") if config.tasks.rl_count else self.train_tasks
         self.heldout_tasks = self._load_tasks("heldout")
         self.sandbox = Sandbox()
         latest = ckpt.latest_checkpoint(self.run_dir)
@@ -183,16 +184,23 @@ class Trainer:
         path.write_text(text, encoding="utf-8")
 
     def _load_tasks(self, split: str) -> list[Task]:
+        """The tasks of "train" (demonstrated, and RL's unless ``tasks.rl_count``), "rl" (the
+        built-in train split's next ``rl_count`` tasks, never demonstrated) or "heldout"."""
         tasks = self.config.tasks
-        source = tasks.train_file if split == "train" else tasks.heldout_file
+        source = tasks.heldout_file if split == "heldout" else tasks.train_file
         if source is not None:
             loaded = list(load_tasks(source))
+        elif split == "heldout":
+            loaded = generate_split("heldout", tasks.suite_seed, tasks.heldout_count)
         else:
-            count = tasks.train_count if split == "train" else tasks.heldout_count
-            loaded = generate_split("train" if split == "train" else "heldout",
-                                    tasks.suite_seed, count,
-                                    composed=split == "train" and tasks.composed_train)
-        if split == "train" and tasks.renamed_copies:
+            # A larger count extends a smaller one, so the RL-only tasks are the ones after
+            # the demonstrated ``train_count``.
+            loaded = generate_split("train", tasks.suite_seed,
+                                    tasks.train_count + (tasks.rl_count if split == "rl" else 0),
+                                    composed=tasks.composed_train)
+            if split == "rl":
+                loaded = loaded[tasks.train_count:]
+        if split != "heldout" and tasks.renamed_copies:
             loaded = renamed_copies(loaded, tasks.renamed_copies, tasks.suite_seed)
         return loaded
 
@@ -323,7 +331,7 @@ class Trainer:
     def choose_tasks(self, step: int, count: int, exclude: set[str]) -> list[Task]:
         """Tasks of one step: success-weighted (keeps groups mixed) or a seeded sweep."""
         rng = random.Random(f"{self.config.seed}:tasks:{step}:{len(exclude)}")
-        pool = [t for t in self.train_tasks if t.id not in exclude]
+        pool = [t for t in self.rl_tasks if t.id not in exclude]
         dynamic = self.config.dynamic
         if dynamic.success_sampling:
             group = self.config.rollout.group_size
@@ -338,8 +346,8 @@ class Trainer:
                 chosen.append(pool.pop(pick))
                 weights.pop(pick)
             return chosen
-        epoch_size = max(1, len(self.train_tasks) // count)
-        order = list(self.train_tasks)
+        epoch_size = max(1, len(self.rl_tasks) // count)
+        order = list(self.rl_tasks)
         random.Random(f"{self.config.seed}:sweep:{step // epoch_size}").shuffle(order)
         start = (step % epoch_size) * count
         chosen = [t for t in order[start:start + count] if t.id not in exclude]

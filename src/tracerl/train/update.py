@@ -311,7 +311,7 @@ def token_loss(model: ActorCritic, part: RowBatch, config: UpdateConfig, critic:
                          " may take them from its own forward: run freeze_old first")
     logprobs, values, logits = model.evaluate(
         part.input_ids, part.attention_mask, need_values=model.has_critic,
-        need_entropy=config.entropy_coef > 0, needed=mask)
+        need_entropy=config.entropy_coef != 0, needed=mask)
     if part.old_logprobs is None:  # one step from the starting weights: these are the old ones
         part = replace(part, old_logprobs=logprobs.detach() * mask)
     assert part.old_logprobs is not None
@@ -334,7 +334,8 @@ def token_loss(model: ActorCritic, part: RowBatch, config: UpdateConfig, critic:
     metrics.update(pg)
     if config.kl_coef > 0 and config.kl_in == "loss":
         assert part.ref_logprobs is not None
-        kl, kl_metrics = kl_loss(logprobs, part.ref_logprobs, mask, config.kl_estimator)
+        kl, kl_metrics = kl_loss(logprobs, part.ref_logprobs, mask, config.kl_estimator,
+                                     config.kl_clamp)
         loss = loss + config.kl_coef * kl
         metrics.update(kl_metrics)
     if logits is not None:
@@ -403,6 +404,22 @@ def make_adamw(param_groups: Any, weight_decay: float) -> torch.optim.AdamW:
         return torch.optim.AdamW(param_groups, weight_decay=weight_decay)
 
 
+def warm_up(optimizer: torch.optim.Optimizer, warmup_steps: int) -> None:
+    """Set each parameter group's rate for the next step: its ``base_lr`` times
+    min(1, (k + 1) / ``warmup_steps``), k the optimizer steps taken so far. The count is read
+    from the optimizer's own state, so a resumed run (optimizer state restored) continues the
+    same schedule."""
+    taken = 0
+    for state in optimizer.state.values():
+        if "step" in state:
+            taken = int(state["step"])
+            break
+    scale = 1.0 if warmup_steps <= 0 else min(1.0, (taken + 1) / warmup_steps)
+    for group in optimizer.param_groups:
+        group.setdefault("base_lr", group["lr"])
+        group["lr"] = group["base_lr"] * scale
+
+
 def _grad_norm(model: torch.nn.Module) -> float:
     squares = [p.grad.detach().double().pow(2).sum() for p in model.parameters()
                if p.grad is not None]
@@ -429,6 +446,7 @@ def ppo_update(model: ActorCritic, optimizer: torch.optim.Optimizer, batch: RowB
     steps = 0
     for _ in range(config.epochs):
         for rows in split_minibatches(attempt_index, config.minibatches, generator):
+            warm_up(optimizer, config.warmup_steps)
             mini = batch.select(rows)
             mine = torch.arange(rank, mini.rows, world_size)
             metrics = minibatch_step(model, optimizer, mini, config, critic, mine)
