@@ -80,7 +80,7 @@ class TasksConfig:
     """Built-in train tasks made for RL only (with their renamed copies), after the
     ``train_count`` the demonstrations come from. When above 0, RL draws only from these: the
     warm start never saw them, so RL's reward measures what transfers rather than what was
-    memorised. 0: RL trains on the demonstrated tasks. Ignored with ``train_file``."""
+    memorised. 0: RL trains on the demonstrated tasks. Refused with ``train_file``."""
 
 
 @dataclass(frozen=True)
@@ -273,8 +273,7 @@ class UpdateConfig:
     warmup_steps: int = 0
     """Optimizer steps over which the learning rates rise linearly to ``lr`` (and the
     critic's). A fresh AdamW's first steps move every weight by about ``lr`` whatever the
-    gradient's size (the update is m/sqrt(v), near ±1 at first); on a fine-tuned policy that
-    jump is largest where the gradient is noisiest. 0: the full rate from the first step."""
+    gradient's size (m/sqrt(v) is near ±1 at first). 0: the full rate from the first step."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float | None = 1.0
