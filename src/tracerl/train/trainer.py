@@ -142,8 +142,10 @@ class Trainer:
             torch.set_num_threads(config.threads)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._check_config_file()
-        self.train_tasks = self._load_tasks("train")
-        self.rl_tasks = self._load_tasks("rl") if config.tasks.rl_count else self.train_tasks
+        loaded = self._load_tasks("train")
+        cut = len(loaded) - config.tasks.rl_count
+        self.train_tasks = self._with_copies(loaded[:cut])
+        self.rl_tasks = self._with_copies(loaded[cut:]) if cut < len(loaded) else self.train_tasks
         self.heldout_tasks = self._load_tasks("heldout")
         self.sandbox = Sandbox()
         latest = ckpt.latest_checkpoint(self.run_dir)
@@ -184,25 +186,22 @@ class Trainer:
         path.write_text(text, encoding="utf-8")
 
     def _load_tasks(self, split: str) -> list[Task]:
-        """The tasks of "train" (demonstrated, and RL's unless ``tasks.rl_count``), "rl" (the
-        built-in train split's next ``rl_count`` tasks, never demonstrated) or "heldout"."""
+        """The tasks of "train" (the demonstrated ones, then ``tasks.rl_count`` more that only
+        RL draws from) or "heldout", without renamed copies."""
         tasks = self.config.tasks
-        source = tasks.heldout_file if split == "heldout" else tasks.train_file
+        source = tasks.train_file if split == "train" else tasks.heldout_file
         if source is not None:
-            loaded = list(load_tasks(source))
-        elif split == "heldout":
-            loaded = generate_split("heldout", tasks.suite_seed, tasks.heldout_count)
-        else:
-            # A larger count extends a smaller one, so the RL-only tasks are the ones after
-            # the demonstrated ``train_count``.
-            loaded = generate_split("train", tasks.suite_seed,
-                                    tasks.train_count + (tasks.rl_count if split == "rl" else 0),
-                                    composed=tasks.composed_train)
-            if split == "rl":
-                loaded = loaded[tasks.train_count:]
-        if split != "heldout" and tasks.renamed_copies:
-            loaded = renamed_copies(loaded, tasks.renamed_copies, tasks.suite_seed)
-        return loaded
+            return list(load_tasks(source))
+        if split == "heldout":
+            return generate_split("heldout", tasks.suite_seed, tasks.heldout_count)
+        # A larger count extends a smaller one: the RL-only tasks follow the demonstrated ones.
+        return generate_split("train", tasks.suite_seed, tasks.train_count + tasks.rl_count,
+                              composed=tasks.composed_train)
+
+    def _with_copies(self, tasks: list[Task]) -> list[Task]:
+        """``tasks`` followed by their renamed copies (``tasks.renamed_copies`` of each)."""
+        copies, seed = self.config.tasks.renamed_copies, self.config.tasks.suite_seed
+        return renamed_copies(tasks, copies, seed) if copies else tasks
 
     def make_env_factory(self, tasks: Sequence[Task]) -> Callable[[], CodingEnv]:
         """A factory of fresh environments over ``tasks`` (one per attempt)."""

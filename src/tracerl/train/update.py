@@ -409,12 +409,10 @@ def warm_up(optimizer: torch.optim.Optimizer, warmup_steps: int) -> None:
     min(1, (k + 1) / ``warmup_steps``), k the optimizer steps taken so far. The count is read
     from the optimizer's own state, so a resumed run (optimizer state restored) continues the
     same schedule."""
-    taken = 0
-    for state in optimizer.state.values():
-        if "step" in state:
-            taken = int(state["step"])
-            break
-    scale = 1.0 if warmup_steps <= 0 else min(1.0, (taken + 1) / warmup_steps)
+    if warmup_steps <= 0:
+        return
+    taken = next((int(state["step"]) for state in optimizer.state.values() if "step" in state), 0)
+    scale = min(1.0, (taken + 1) / warmup_steps)
     for group in optimizer.param_groups:
         group.setdefault("base_lr", group["lr"])
         group["lr"] = group["base_lr"] * scale
