@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import random
 import sys
@@ -41,6 +42,16 @@ def test_deterministic_and_extends() -> None:
     assert first == generate_split("train", seed=3, count=20)
     assert generate_split("train", seed=3, count=30)[:20] == first
     assert generate_split("train", seed=4, count=20) != first
+
+
+def test_budget_is_the_only_thing_max_turns_changes() -> None:
+    eight, twelve = generate_split("heldout", count=14), generate_split("heldout", count=14,
+                                                                        max_turns=12)
+    assert {t.budget.max_turns for t in eight} == {8} and {t.budget.max_turns for t in twelve} == {12}
+    assert [dataclasses.replace(t, budget=None) for t in eight] == [
+        dataclasses.replace(t, budget=None) for t in twelve]
+    with pytest.raises(ValueError, match="max_turns"):
+        generate_split("train", count=1, max_turns=0)
 
 
 def test_sizes_and_families() -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -9,9 +10,15 @@ import pytest
 from tracerl.cli import main
 from tracerl.envs.sandbox import Sandbox, SandboxLimits
 from tracerl.envs.suite import generate_split
-from tracerl.envs.tasks import Task, dump_tasks, load_tasks
+from tracerl.envs.tasks import Budget, Task, dump_tasks, load_tasks
 from tracerl.envs.tools import TOOL_SCHEMAS
-from tracerl.eval.evaluate import EvalSettings, load_policy, run_evaluation
+from tracerl.eval.evaluate import (
+    EvalSettings,
+    collect_attempts,
+    load_policy,
+    run_evaluation,
+    turn_cap,
+)
 from tracerl.eval.scripted import ScriptedPolicy, protected_edit_script, solution_script
 from tracerl.models.tiny import (
     TinyModelConfig,
@@ -20,6 +27,7 @@ from tracerl.models.tiny import (
     save_tiny,
     train_tokenizer,
 )
+from tracerl.trace.schema import EndReason
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap is not installed")
@@ -211,3 +219,24 @@ def test_a_checkpoint_is_evaluated_with_the_conversation_format_it_was_trained_o
         prompts[name] = policy.decode(first.token_ids.tolist())
     assert "Tools:" in prompts["plain"] and "view_file" in prompts["plain"]
     assert "Tools:" not in prompts["trained"] and "Fix it." in prompts["trained"]
+
+
+def test_each_task_keeps_its_own_turn_budget_unless_a_cap_is_given(
+        policy_dir: Path, sandbox: Sandbox) -> None:
+    tasks = [dataclasses.replace(task, budget=Budget(max_turns=turns)) for task, turns in
+             zip(generate_split("heldout", seed=0, count=2), (12, 5), strict=True)]
+
+    def look_forever(task: Task) -> list[str]:  # never submits: the budget ends each attempt
+        return [render_tool_call("run_tests", {})] * 20
+
+    def turns(settings: EvalSettings) -> dict[str, int]:
+        policy = ScriptedPolicy(load_policy(policy_dir), tasks, look_forever)
+        attempts, _ = collect_attempts(policy, tasks, settings, sandbox=sandbox)
+        assert {a.end_reason for a in attempts} == {EndReason.TRUNCATED_TURNS}
+        return {a.task_id: a.costs.turns for a in attempts}
+
+    budget = dict(max_new_tokens_per_turn=64, max_new_tokens=6000)
+    assert turns(EvalSettings(samples=1, **budget)) == {tasks[0].id: 12, tasks[1].id: 5}
+    assert turns(EvalSettings(samples=1, max_turns=8, **budget)) == {tasks[0].id: 8,
+                                                                     tasks[1].id: 5}
+    assert turn_cap([dataclasses.replace(tasks[0], budget=None)], EvalSettings(samples=1)) == 8

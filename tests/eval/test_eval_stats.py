@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from tracerl.eval.stats import bootstrap_ci, pass_at_k, pass_at_k_table
+from tracerl.eval.stats import bootstrap_ci, paired_bootstrap_ci, pass_at_k, pass_at_k_table
 
 
 def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
@@ -81,3 +81,37 @@ def test_bootstrap_refuses_empty_input() -> None:
         bootstrap_ci([])
     with pytest.raises(ValueError, match="at least one attempt"):
         bootstrap_ci([[1.0], []])
+
+
+def test_paired_gain_interval_is_narrower_than_the_unpaired_one() -> None:
+    # 40 tasks: half easy (both policies solve 7-8 of 8), half hard (0-1 of 8); the second
+    # policy solves one more sample of every task. Task difficulty dominates each policy's own
+    # interval, but it cancels in the gain when both sides use the same resampled tasks.
+    before = [[1.0] * 7 + [0.0] if t % 2 == 0 else [0.0] * 8 for t in range(40)]
+    after = [[1.0] * 8 if t % 2 == 0 else [1.0] + [0.0] * 7 for t in range(40)]
+    low, high = paired_bootstrap_ci(before, after, seed=0, resamples=4000)
+    assert low == pytest.approx(0.125) and high == pytest.approx(0.125)  # every task gained 1/8
+    b_low, b_high = bootstrap_ci(before, seed=0, resamples=4000)
+    a_low, a_high = bootstrap_ci(after, seed=1, resamples=4000)
+    assert a_low < b_high  # the separate intervals overlap: on their own they cannot tell
+    assert a_high - a_low > 0.2 and b_high - b_low > 0.2
+
+
+def test_paired_gain_against_one_greedy_attempt_per_task() -> None:
+    # Greedy before (one attempt per task) against eight samples after: counts may differ.
+    rng = np.random.default_rng(0)
+    greedy = [[float(rng.integers(0, 2))] for _ in range(30)]
+    sampled = [list(rng.integers(0, 2, size=8).astype(float)) for _ in range(30)]
+    gain = np.mean([v for s in sampled for v in s]) - np.mean([s[0] for s in greedy])
+    low, high = paired_bootstrap_ci(greedy, sampled, seed=2)
+    assert low < gain < high
+    assert paired_bootstrap_ci(greedy, sampled, seed=2) == (low, high)
+
+
+def test_paired_gain_refuses_unpaired_or_empty_tasks() -> None:
+    with pytest.raises(ValueError, match="paired by task"):
+        paired_bootstrap_ci([[1.0]], [[1.0], [0.0]])
+    with pytest.raises(ValueError, match="before: no tasks"):
+        paired_bootstrap_ci([], [])
+    with pytest.raises(ValueError, match="after: every task"):
+        paired_bootstrap_ci([[1.0]], [[]])

@@ -111,12 +111,18 @@ def test_demo_summary_prints_behaviour_and_the_verdict() -> None:
         "heldout_success_after": 0.234, "heldout_ci95_after": [0.141, 0.344],
         "heldout_greedy_after": 0.438, "heldout_pass_at_k_after": {"8": 0.531},
         "heldout_behaviour_before": acts(0.22, 0.41), "heldout_behaviour_after": acts(0.36, 0.26),
-        "rl_steps": 28, "wall_seconds": 824.0, "generated_tokens": 601474, "tool_seconds": 138.0}
+        "rl_steps": 28, "wall_seconds": 824.0, "generated_tokens": 601474, "tool_seconds": 138.0,
+        "heldout_gain_ci95": [-0.016, 0.156], "heldout_gain_over_greedy_ci95": [-0.2, 0.1]}
     summary["demo_targets"] = verdict(summary)
     text = format_summary(summary)
-    assert "gain over SFT sampled 7.0% (target 15.0%)" in text and "NOT met" in text
+    assert "gain over SFT sampled 7.0% [-1.6%, 15.6%] (target 15.0%)" in text
+    assert "over SFT greedy -4.7% [-20.0%, 10.0%] (target 10.0%): NOT met" in text
     assert "after a FAIL: tried again 22.0% of 10, submitted 41.0%" in text
     assert "after a FAIL: tried again 36.0% of 10, submitted 26.0%" in text
     # Runs recorded before behaviour statistics existed print without those lines.
     del summary["heldout_behaviour_before"]
     assert "tried again" not in format_summary(summary)
+    # ... and without the gains' paired intervals.
+    del summary["heldout_gain_ci95"], summary["heldout_gain_over_greedy_ci95"]
+    summary["demo_targets"] = verdict(summary)
+    assert "gain over SFT sampled 7.0% (target 15.0%)" in format_summary(summary)

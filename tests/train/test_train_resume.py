@@ -81,3 +81,5 @@ def test_killed_run_resumes_without_repeating_or_losing_an_update(tmp_path: Path
     assert torch.equal(_weights(run_dir), _weights(tmp_path / "straight"))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rl_steps"] == 3
+    low, high = summary["heldout_gain_ci95"]  # paired by task, from the evaluations' files
+    assert low <= summary["heldout_gain"] <= high

@@ -34,6 +34,8 @@ def register(subparsers: Any) -> None:
                         help="number of tasks (default: the split's default size)")
     export.add_argument("--composed", action="store_true",
                         help="train split only: draw from the composed templates too")
+    export.add_argument("--max-turns", type=int, default=8,
+                        help="each task's budget of actions (default 8)")
     export.set_defaults(func=_export)
 
     sandbox = subparsers.add_parser("sandbox", help="run commands in a task's sandbox")
@@ -73,7 +75,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     tasks = generate_split(args.split, seed=args.seed, count=args.count,
-                           composed=args.composed)
+                           composed=args.composed, max_turns=args.max_turns)
     count = dump_tasks(tasks, args.out)
     print(f"wrote {count} {args.split} tasks to {args.out}")
     return 0

@@ -6,7 +6,7 @@ See ``docs/evaluation.md``.
 from __future__ import annotations
 
 from tracerl.eval.audit import HACK_KINDS, HackFlag, hack_flag, hack_flags, hack_summary
-from tracerl.eval.stats import bootstrap_ci, pass_at_k, pass_at_k_table
+from tracerl.eval.stats import bootstrap_ci, paired_bootstrap_ci, pass_at_k, pass_at_k_table
 from tracerl.eval.summary import hidden_passed, succeeded, summarize, visible_passed
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "hack_flags",
     "hack_summary",
     "hidden_passed",
+    "paired_bootstrap_ci",
     "pass_at_k",
     "pass_at_k_table",
     "succeeded",

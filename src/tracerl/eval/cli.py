@@ -21,7 +21,8 @@ def register(subparsers: Any) -> None:
     ev.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
     ev.add_argument("--top-p", type=float, default=1.0)
     ev.add_argument("--top-k", type=int, default=0)
-    ev.add_argument("--max-turns", type=int, default=8, help="actions per attempt")
+    ev.add_argument("--max-turns", type=int, default=None,
+                    help="actions per attempt (default: each task's own budget, else 8)")
     ev.add_argument("--max-new-tokens", type=int, default=1024, help="tokens per attempt")
     ev.add_argument("--max-new-tokens-per-turn", type=int, default=128, help="tokens per action")
     ev.add_argument("--max-seconds", type=float, default=None, help="wall seconds per attempt")

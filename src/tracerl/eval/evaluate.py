@@ -53,8 +53,9 @@ class EvalSettings:
     """Tokens sampled per action at most."""
     max_new_tokens: int | None = 1024
     """Tokens sampled per attempt at most (a task's own budget takes precedence)."""
-    max_turns: int = 8
-    """Actions per attempt at most (a task's own budget takes precedence)."""
+    max_turns: int | None = None
+    """Actions per attempt at most. None: each task's own budget (``budget.max_turns``; 8 for
+    a task that sets none). A number also caps every task's own budget."""
     max_seconds: float | None = None
     """Wall-clock seconds per attempt at most (None: none)."""
     seed: int = 0
@@ -71,7 +72,7 @@ class EvalSettings:
         if not 0.0 <= self.inject_faults <= 1.0:
             raise ValueError(f"inject_faults: must be a probability in [0, 1], "
                              f"got {self.inject_faults!r}")
-        if self.max_turns < 1:
+        if self.max_turns is not None and self.max_turns < 1:
             raise ValueError(f"max_turns: must be >= 1, got {self.max_turns}")
         self.sampling()  # validates temperature, top_p, top_k, max_new_tokens_per_turn
 
@@ -136,6 +137,19 @@ def training_cost(policy_dir: str | Path) -> dict[str, Any] | None:
     return None
 
 
+DEFAULT_TURNS = 8
+"""The turn budget of a task that sets none, when ``EvalSettings.max_turns`` is None."""
+
+
+def turn_cap(tasks: Sequence[Task], settings: EvalSettings) -> int:
+    """The collector's cap on actions: ``settings.max_turns``, or else the largest of the
+    tasks' own budgets (each task's environment ends its attempts at its own)."""
+    if settings.max_turns is not None:
+        return settings.max_turns
+    return max(((t.budget.max_turns or DEFAULT_TURNS) if t.budget is not None else DEFAULT_TURNS
+                for t in tasks), default=DEFAULT_TURNS)
+
+
 def _make_env_factory(tasks: Sequence[Task], sandbox: Sandbox, settings: EvalSettings,
                       faults: FaultConfig | None) -> Any:
     counter = itertools.count()
@@ -146,7 +160,7 @@ def _make_env_factory(tasks: Sequence[Task], sandbox: Sandbox, settings: EvalSet
             tool_crash=faults.tool_crash, sandbox_start_failure=faults.sandbox_start_failure,
             slow_tool=faults.slow_tool, slow_seconds=faults.slow_seconds,
             seed=(settings.seed * 1_000_003 + next(counter)))
-        return CodingEnv(tasks, sandbox=sandbox, max_turns=settings.max_turns,
+        return CodingEnv(tasks, sandbox=sandbox, max_turns=settings.max_turns or DEFAULT_TURNS,
                          max_seconds=settings.max_seconds, faults=config)
     return make_env
 
@@ -158,7 +172,7 @@ def collect_attempts(policy: Any, tasks: Sequence[Task], settings: EvalSettings,
     """Run ``settings.samples`` attempts per task; returns them and the wall seconds."""
     conversation = getattr(policy, "conversation", None) or {}
     config = CollectorConfig(
-        sampling=settings.sampling(), max_turns=settings.max_turns,
+        sampling=settings.sampling(), max_turns=turn_cap(tasks, settings),
         max_new_tokens=settings.max_new_tokens, max_seconds=settings.max_seconds,
         seed=settings.seed, progress=progress, verify_truncated=True,
         # A tracerl checkpoint is evaluated with the conversation format it was trained on.

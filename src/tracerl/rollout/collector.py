@@ -57,7 +57,8 @@ class CollectorConfig:
     """How actions are sampled; ``max_new_tokens`` caps one turn. Its ``seed`` is ignored:
     each attempt gets its own seed from ``seed``, the task and the sample index."""
     max_turns: int = 8
-    """Most actions per attempt (across fragments); then ``truncated_turns``."""
+    """Most actions per attempt (across fragments); then ``truncated_turns``. A cap: a task's
+    own budget (``budget.max_turns``, enforced by the environment) may end it sooner."""
     max_new_tokens: int | None = 1024
     """Most tokens sampled per attempt (None: no limit); then ``truncated_tokens``. A task's
     own ``budget.max_new_tokens`` takes precedence."""

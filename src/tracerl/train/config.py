@@ -163,7 +163,9 @@ class RolloutConfig:
     top_k: int = 0
     """Top-k sampling (0 = off); like ``top_p``, for rollouts and sampled evaluation."""
     max_turns: int = 8
-    """Most agent turns (tool calls) per attempt before truncation."""
+    """Most agent turns (tool calls) per attempt before truncation. The built-in suite's tasks
+    take it as their budget; a task file's own ``budget.max_turns`` ends an attempt sooner
+    when it is smaller."""
     max_new_tokens: int = 64
     """Most tokens generated per turn."""
     max_attempt_tokens: int | None = None

@@ -58,6 +58,8 @@ def verdict(summary: dict[str, Any]) -> dict[str, Any]:
     sampled_gain = after - summary["heldout_success_before"]
     greedy_gain = after - (summary["heldout_greedy_before"] or 0.0)
     return {"sampled_gain": sampled_gain, "greedy_gain": greedy_gain,
+            "sampled_gain_ci95": summary.get("heldout_gain_ci95"),
+            "greedy_gain_ci95": summary.get("heldout_gain_over_greedy_ci95"),
             "met": sampled_gain >= SAMPLED_MARGIN and greedy_gain >= GREEDY_MARGIN}
 
 
@@ -101,6 +103,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     def ci(pair: list[float]) -> str:
         return f"[{pct(pair[0])}, {pct(pair[1])}]"
 
+    def gap(pair: list[float] | None) -> str:  # a gain's paired interval, when recorded
+        return "" if pair is None else " " + ci(pair)
+
     k = str(summary["samples_per_task"])
     target = summary.get("demo_targets", {})
     lines = [
@@ -112,9 +117,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  RL      {pct(summary['heldout_success_after'])} {ci(summary['heldout_ci95_after'])}"
         f"   greedy {pct(summary['heldout_greedy_after'])}"
         f"   pass@{k} {pct(summary['heldout_pass_at_k_after'].get(k))}",
-        f"  gain over SFT sampled {pct(target.get('sampled_gain'))} (target "
-        f"{pct(SAMPLED_MARGIN)}), over SFT greedy {pct(target.get('greedy_gain'))} (target "
-        f"{pct(GREEDY_MARGIN)}): {'met' if target.get('met') else 'NOT met'}",
+        f"  gain over SFT sampled {pct(target.get('sampled_gain'))}"
+        f"{gap(target.get('sampled_gain_ci95'))} (target {pct(SAMPLED_MARGIN)}), over SFT "
+        f"greedy {pct(target.get('greedy_gain'))}{gap(target.get('greedy_gain_ci95'))} "
+        f"(target {pct(GREEDY_MARGIN)}): {'met' if target.get('met') else 'NOT met'}",
         *_behaviour_lines(summary, pct),
         f"  {summary['rl_steps']} RL steps, {summary['wall_seconds']:.0f}s wall, "
         f"{summary['generated_tokens']} tokens generated, {summary['tool_seconds']:.0f}s in tools",

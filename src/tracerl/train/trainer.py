@@ -63,6 +63,8 @@ Hook = Callable[[str, "Trainer"], None]
 ``evaluate``, ``checkpoint``, ``sft``) and the trainer."""
 
 PHASES = ("collect", "verify", "advantages", "update", "evaluate", "checkpoint")
+SCRIPT_TURNS = 32
+"""Turn limit of the environments that play the scripted demonstrations."""
 """The loop's phases, in order."""
 
 
@@ -192,11 +194,14 @@ class Trainer:
         source = tasks.train_file if split == "train" else tasks.heldout_file
         if source is not None:
             return list(load_tasks(source))
+        # The built-in tasks' budget is the rollout's turn cap, in training and evaluation.
+        turns = self.config.rollout.max_turns
         if split == "heldout":
-            return generate_split("heldout", tasks.suite_seed, tasks.heldout_count)
+            return generate_split("heldout", tasks.suite_seed, tasks.heldout_count,
+                                  max_turns=turns)
         # A larger count extends a smaller one: the RL-only tasks follow the demonstrated ones.
         return generate_split("train", tasks.suite_seed, tasks.train_count + tasks.rl_count,
-                              composed=tasks.composed_train)
+                              composed=tasks.composed_train, max_turns=turns)
 
     def _with_copies(self, tasks: list[Task]) -> list[Task]:
         """``tasks`` followed by their renamed copies (``tasks.renamed_copies`` of each)."""
@@ -250,8 +255,11 @@ class Trainer:
             shown = self.train_tasks
             if sft.task_count is not None:
                 shown = [t for t in self.train_tasks if not is_renamed(t.id)][: sft.task_count]
+            # Scripted attempts are not held to the rollout's turn budget (the longest script
+            # has 8 actions; a short budget is a constraint on the policy, not the teacher).
+            shown = [dataclasses.replace(t, budget=None) for t in shown]
             self._demos = make_demonstrations(
-                shown, self.make_env_factory(shown),
+                shown, lambda: CodingEnv(shown, sandbox=self.sandbox, max_turns=SCRIPT_TURNS),
                 demos_per_task=sft.demos_per_task, wrong_fraction=sft.wrong_edit_fraction,
                 recovery_fraction=sft.recovery_fraction, check_fraction=sft.check_fraction,
                 seed=self.config.seed, line_edits=sft.line_edits,
@@ -704,7 +712,7 @@ class Trainer:
                 json.dumps(summary, indent=1), encoding="utf-8")
             out[name] = {k: summary[k] for k in ("success", "ci95", "pass_at_k",
                                                  "generated_tokens", "tool_seconds",
-                                                 "behaviour")}
+                                                 "behaviour", "per_task")}
         return out
 
     def evaluate_once(self, label: str) -> dict[str, Any]:
@@ -742,6 +750,13 @@ class Trainer:
             "heldout_greedy_ci95_after": after["greedy"]["ci95"] if greedy else None,
             "heldout_pass_at_k_before": sampled_b["pass_at_k"],
             "heldout_pass_at_k_after": sampled_a["pass_at_k"],
+            # The gains, each with a bootstrap interval paired by task (eval.stats).
+            "heldout_gain": sampled_a["success"] - sampled_b["success"],
+            "heldout_gain_ci95": self._gain_ci(sampled_b, sampled_a),
+            "heldout_gain_over_greedy": (sampled_a["success"] - before["greedy"]["success"]
+                                         if greedy else None),
+            "heldout_gain_over_greedy_ci95": (self._gain_ci(before["greedy"], sampled_a)
+                                              if greedy else None),
             # Sampled attempts: edits that applied, what followed a FAIL (eval.behaviour).
             "heldout_behaviour_before": sampled_b.get("behaviour"),
             "heldout_behaviour_after": sampled_a.get("behaviour"),
@@ -764,6 +779,22 @@ class Trainer:
                                                    encoding="utf-8")
         self.close()
         return summary
+
+    def _gain_ci(self, before: dict[str, Any], after: dict[str, Any]) -> list[float]:
+        """Paired task-level bootstrap interval of ``after``'s success minus ``before``'s."""
+        from tracerl.eval.stats import paired_bootstrap_ci
+
+        def scores(result: dict[str, Any]) -> list[list[float]]:
+            per_task = result["per_task"]
+            return [[1.0] * per_task[t]["successes"]
+                    + [0.0] * (per_task[t]["attempts"] - per_task[t]["successes"])
+                    for t in sorted(per_task)]
+
+        if sorted(before["per_task"]) != sorted(after["per_task"]):
+            raise ValueError("the evaluations before and after training saw different tasks")
+        low, high = paired_bootstrap_ci(scores(before), scores(after), seed=self.config.seed,
+                                        resamples=self.config.eval.bootstrap_resamples)
+        return [low, high]
 
     def close(self) -> None:
         """Seal the trace store and close the metrics files."""

@@ -129,8 +129,9 @@ def _draw_cases(template: Template, rng: random.Random, k: int, good: Callable[.
     raise RuntimeError(f"could not draw distinguishing cases for {template.names}")
 
 
-def make_task(template: Template, rng: random.Random, task_id: str) -> Task:
-    """One task from ``template``, with constants, name and test values drawn from ``rng``."""
+def make_task(template: Template, rng: random.Random, task_id: str, max_turns: int = 8) -> Task:
+    """One task from ``template``, with constants, name and test values drawn from ``rng``;
+    ``max_turns`` is its budget of actions."""
     name = rng.choice(template.names)
     k = rng.randint(2, 9)
     k2 = rng.choice([v for v in range(1, 11) if v != k])
@@ -150,19 +151,22 @@ def make_task(template: Template, rng: random.Random, task_id: str) -> Task:
         hidden_files={hidden_test: _render_tests(name, hidden)},
         hidden_test_command=f"python {hidden_test}",
         solution={module: good_src},
-        budget=Budget(max_turns=8),
+        budget=Budget(max_turns=max_turns),
     )
 
 
 def generate_split(split: Split, seed: int = 0, count: int | None = None, *,
-                   composed: bool = False) -> list[Task]:
+                   composed: bool = False, max_turns: int = 8) -> list[Task]:
     """The tasks of ``split``: families in turn, templates and values drawn from ``seed``.
 
     The same (split, seed, count, composed) always gives the same tasks; a larger count
     extends a smaller one (task i depends only on the seed and i). ``composed`` (train split
     only) draws from the hand-written train templates and the composed ones
-    (``suite.compose``): hundreds of bodies per family instead of four to six.
+    (``suite.compose``): hundreds of bodies per family instead of four to six. ``max_turns``
+    is every task's budget of actions (it changes nothing else).
     """
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if split not in DEFAULT_COUNTS:
         raise ValueError(f"split must be one of {sorted(DEFAULT_COUNTS)}, got {split!r}")
     count = DEFAULT_COUNTS[split] if count is None else count
@@ -178,5 +182,5 @@ def generate_split(split: Split, seed: int = 0, count: int | None = None, *,
         rng = random.Random(f"{split}:{seed}:{index}")
         family = families[index % len(families)]
         template = rng.choice(by_family[family])
-        tasks.append(make_task(template, rng, f"{split}-{index:04d}-{family}"))
+        tasks.append(make_task(template, rng, f"{split}-{index:04d}-{family}", max_turns))
     return tasks
