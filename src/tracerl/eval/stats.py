@@ -71,7 +71,6 @@ def bootstrap_ci(per_task: Sequence[Sequence[float]], *, level: float = 0.95,
     return float(low), float(high)
 
 
-
 def paired_bootstrap_ci(before: Sequence[Sequence[float]], after: Sequence[Sequence[float]], *,
                         level: float = 0.95, resamples: int = 2000, seed: int = 0
                         ) -> tuple[float, float]:
