@@ -63,9 +63,9 @@ Hook = Callable[[str, "Trainer"], None]
 ``evaluate``, ``checkpoint``, ``sft``) and the trainer."""
 
 PHASES = ("collect", "verify", "advantages", "update", "evaluate", "checkpoint")
+"""The loop's phases, in order."""
 SCRIPT_TURNS = 32
 """Turn limit of the environments that play the scripted demonstrations."""
-"""The loop's phases, in order."""
 
 
 class Trainer:
