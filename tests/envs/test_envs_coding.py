@@ -269,3 +269,31 @@ def test_undo_restores_edits_in_reverse_order(sandbox: Sandbox) -> None:
     env.reset(seed=0, options={"task_index": 1})
     assert env.step(call("undo"))[0] == "error: undo: nothing to undo"
     env.close()
+
+
+def test_restart_puts_every_file_back_and_answers_with_the_statement(sandbox: Sandbox) -> None:
+    tasks = [dataclasses.replace(t, budget=None) for t in generate_split("train", count=2)]
+    env = CodingEnv(tasks, sandbox=sandbox, max_turns=8)
+    first, _ = env.reset(seed=0, options={"task_index": 0})
+    assert env.task is not None and env.workspace is not None
+    module, test, source = _parts(env.task)
+    opened = env.open_file
+    assert env.step(call("write_file", path="notes.txt", content="hi"))[0] == "OK"
+    assert env.step(call("replace", path=module, old=source, new="x = 1\n"))[0] == "OK"
+    assert env.step(call("view_file", path=test))[0].startswith("1: ")
+    observation, reward, terminated, truncated, info = env.step(call("restart"))
+    assert observation == first  # the task statement, as at the start
+    assert (reward, terminated, truncated) == (0.0, False, False)
+    assert info["fresh_context"] is True and info["tool"] == "restart"
+    assert env.workspace.read(module) == source
+    assert not (env.workspace.root / "notes.txt").exists()
+    assert env.open_file == opened
+    assert env.step(call("undo"))[0] == "error: undo: nothing to undo"
+    # The budget goes on: five turns used (the undo too), three left.
+    for _ in range(2):
+        assert not env.step(call("run_tests"))[3]
+    assert env.step(call("run_tests"))[3]  # the eighth turn truncates
+    # Other tools never ask for a fresh context.
+    env.reset(seed=0, options={"task_index": 1})
+    assert "fresh_context" not in env.step(call("run_tests"))[4]
+    env.close()

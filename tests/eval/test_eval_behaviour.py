@@ -81,3 +81,20 @@ def test_behaviour_of_no_attempts_has_no_rates() -> None:
     result = behaviour(OneTokenPerText(), [])
     assert result["actions"] == 0 and result["malformed"] is None
     assert result["edits_applied"] is None and result["after_fail"]["retry"] is None
+
+
+def test_restart_counts_as_trying_again_across_contexts() -> None:
+    decoder = OneTokenPerText()
+    view = (call("view_file"), "1: def f(n):\n2:     return n + 1")
+    ok = (call("replace", line=2, old="+", new="-"), "OK")
+    given_up = build(decoder, "a", [view, ok, (call("run_tests"), "FAIL\nf(1) got 0 want 2"),
+                                    (call("restart"), None)]).fragments[0]
+    fresh = build(decoder, "a", [view, ok, (call("run_tests"), "PASS"),
+                                 (call("submit"), None)]).fragments[0]
+    attempt = Attempt("a", "t", "g", (
+        Fragment(0, given_up.turns, EndReason.CONTINUED),
+        Fragment(1, fresh.turns, EndReason.TERMINATED)), reward=1.0)
+    result = behaviour(decoder, [attempt])
+    assert result["actions"] == 8 and result["edits"] == 2
+    assert result["after_fail"] == {"count": 1, "next": {"restart": 1.0}, "retry": 1.0}
+    assert result["after_edit"] == {"count": 2, "next": {"run_tests": 1.0}}

@@ -18,6 +18,7 @@ import torch
 
 from tracerl.envs import TOOL_SCHEMAS, CodingEnv, FaultConfig, Sandbox
 from tracerl.envs.suite import generate_split
+from tracerl.eval.scripted import ScriptedPolicy
 from tracerl.models.tiny import build_tiny_model, render_tool_call, train_tokenizer
 from tracerl.rollout.collector import Collector, CollectorConfig, attempt_seed
 from tracerl.rollout.policy_hf import Completion, HFPolicy
@@ -264,3 +265,46 @@ def test_toy_policy_fitted_on_real_test_outputs_submits_after_each(tasks: list[A
     for attempt in result.attempts:  # run_tests, then submit: two actions
         actions = [s for s in _segments(attempt.fragments[0]) if s.role == "action"]
         assert len(actions) == 2
+
+
+class _Sequence(ScriptedPolicy):
+    """Plays fixed actions in order (one attempt at a time), whatever the prompt."""
+
+    def __init__(self, base: HFPolicy, tasks: list[Any], actions: list[str]) -> None:
+        super().__init__(base, tasks, lambda _task: list(actions))
+        self.actions, self.fed = list(actions), []
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 **kwargs: Any) -> list[Completion]:
+        (prompt,) = prompts
+        self.fed.append(list(prompt))
+        action = self.actions[len(self.fed) - 1]
+        ids = [*self.base.tokenizer.encode(action, add_special_tokens=False), self._eos]
+        return [Completion(tuple(ids), tuple(0.0 for _ in ids), "stop", action, self._eos,
+                           self.policy_version)]
+
+
+def test_restart_continues_the_attempt_in_a_fresh_context(
+    toy: RecordingPolicy, tasks: list[Any], sandbox: Sandbox, tmp_path: Path
+) -> None:
+    task = tasks[2]  # its files already hold the fix: only the first try breaks them
+    module = next(iter(task.solution or {}))
+    actions = [render_tool_call("write_file", {"path": module, "content": "x = 1\n"}),
+               render_tool_call("run_tests", {}), render_tool_call("restart", {}),
+               render_tool_call("run_tests", {}), render_tool_call("submit", {})]
+    policy = _Sequence(toy, tasks, actions)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=200)
+    with TraceStore(tmp_path / "s", fsync=False) as store:
+        result = _collector(policy, tasks, sandbox, store, sampling=sampling,
+                            max_turns=8).collect([task], 1)
+    (attempt,) = result.attempts
+    assert check_attempt(attempt) == []
+    # One attempt in two contexts: the given-up try is continued, not an ending.
+    assert [f.end for f in attempt.fragments] == [EndReason.CONTINUED, EndReason.TERMINATED]
+    assert attempt.reward == 1.0 and attempt.costs.turns == 5
+    second = _segments(attempt.fragments[1])
+    assert second[0].role is Role.SUMMARY
+    # The next try was sampled from the statement alone: nothing of the first try in it.
+    assert policy.fed[3] == second[0].token_ids.tolist() == policy.fed[0]
+    assert [s.role for s in _segments(attempt.fragments[0])].count(Role.ACTION) == 3
+    assert read_attempts(tmp_path / "s") == [attempt]

@@ -331,3 +331,29 @@ def test_undo_demonstrations_make_every_try_on_the_original_line() -> None:
     finally:
         env.close()
     assert passed_wrong < 10  # rare: most wrong tries fail the visible tests
+
+
+def test_restart_demonstrations_end_at_the_restart_after_a_fail() -> None:
+    tasks = generate_split("train", 0, 21, composed=True)
+    env = CodingEnv(tasks)
+    rng = random.Random(3)
+    ended = 0
+    try:
+        for task in tasks:
+            for kind in ("recovery", "search"):
+                demo = play_demonstration(task, kind, env, rng, line_edits=True,
+                                          implicit_path=True, undo=True, restart=True)
+                calls = [parse_tool_call(a).call for a, _ in demo.turns]
+                names = [c.name for c in calls if c is not None]
+                assert len(names) == len(calls) and names.count("replace") == 1
+                if names[-1] == "submit":  # the wrong try passed the visible tests
+                    assert demo.turns[-2][1] == "PASS"
+                    continue
+                ended += 1
+                # One wrong try, its FAIL, then restart: the context ends there.
+                assert names == ["view_file", "replace", "run_tests", "restart"]
+                assert demo.turns[2][1] is not None and demo.turns[2][1].startswith("FAIL")
+                assert demo.turns[-1][1] is None
+    finally:
+        env.close()
+    assert ended > 30

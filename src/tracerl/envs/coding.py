@@ -7,6 +7,10 @@ One episode is one attempt at one task. Actions are the policy's text; the env r
   tests on the final files, protected files restored) is returned with it.
 - ``truncated`` is True when the turn or time budget ran out: the attempt was cut, not ended;
   its reward is 0 here and ``verify()`` scores the files it left, if the caller wants.
+- ``restart`` puts every file back as the task gave it and answers with the task statement
+  again, with ``info["fresh_context"] = True``: the collector then continues the attempt in a
+  new context (a new fragment, as after a compaction), so the next try is not conditioned on
+  the one given up. The turn and time budgets go on; nothing is terminated.
 - A tool or sandbox crash sets ``info["tool_error"]`` and ends nothing: it is the
   infrastructure's fault, and the collector decides whether to retry or to end the attempt
   with that reason. An agent mistake (bad call, missing file) is an ``error:`` observation.
@@ -118,18 +122,28 @@ class CodingEnv(gym.Env[str, str]):
         self._remove_workspace = weakref.finalize(self, shutil.rmtree, root, ignore_errors=True)
         write_files(root, task.files)
         self.task, self.workspace = task, Workspace(root)
-        editable = [p for p in sorted(task.files) if p not in task.protected]
-        self.open_file = editable[0] if editable else None
+        self.open_file = self._first_editable()
         self.tool_calls = []
         self._edits: list[tuple[str, str | None, int | None]] = []
         """Undo history: (path, its text before the edit or None if the edit created it, the
         line a line-scoped replace named)."""
         self._turn, self._started, self._done = 0, time.monotonic(), False
-        listing = "\n".join(sorted(task.files))
-        observation = f"{task.instruction}\nFiles:\n{listing}"
+        observation = self._statement()
         info = {"task_id": task.id, "family": task.family, "turn": 0,
                 "max_turns": self._max_turns()}
         return to_charset(observation, self.observation_chars), info
+
+    def _statement(self) -> str:
+        """The task statement: the first observation of an attempt, and again after ``restart``."""
+        assert self.task is not None
+        listing = "\n".join(sorted(self.task.files))
+        return f"{self.task.instruction}\nFiles:\n{listing}"
+
+    def _first_editable(self) -> str | None:
+        """The file an attempt opens with: the task's first file that is not protected."""
+        assert self.task is not None
+        editable = [p for p in sorted(self.task.files) if p not in self.task.protected]
+        return editable[0] if editable else None
 
     def step(self, action: str) -> tuple[str, SupportsFloat, bool, bool, dict[str, Any]]:
         """Run the first tool call in ``action``; see the module docstring."""
@@ -158,6 +172,8 @@ class CodingEnv(gym.Env[str, str]):
         else:
             info["tool"] = parsed.call.name
             observation = self._run_tool(parsed.call.name, dict(parsed.call.arguments), info)
+            if parsed.call.name == "restart" and not info["tool_error"]:
+                info["fresh_context"] = True
         if terminated:
             self._done = True
             try:
@@ -223,6 +239,8 @@ class CodingEnv(gym.Env[str, str]):
             return result
         if name == "undo":
             return self._undo()
+        if name == "restart":
+            return self._restart()
         if name == "run_tests":
             return failure_excerpt(self.sandbox.run(workspace.root, self.task.test_command))
         raise ValueError(f"no such tool {name!r}")  # parse_tool_call lets none through
@@ -241,6 +259,19 @@ class CodingEnv(gym.Env[str, str]):
         if line is not None and line <= len(lines):
             return f"OK\n{line}: {lines[line - 1][:MAX_LINE_CHARS]}"
         return "OK"
+
+    def _restart(self) -> str:
+        """Every edit undone at once (files the attempt created removed, the others written
+        back as the task gave them), the open file as at the start, the statement again."""
+        assert self.workspace is not None and self.task is not None
+        for path in sorted({path for path, _, _ in self._edits}):
+            if path in self.task.files:
+                self.workspace.write(path, self.task.files[path])
+            elif self.workspace.exists(path):
+                self.workspace.remove(path)
+        self._edits = []
+        self.open_file = self._first_editable()
+        return self._statement()
 
     # -- scoring --------------------------------------------------------------------------
 

@@ -22,7 +22,8 @@ from typing import Any
 from tracerl.envs.sandbox import WORKSPACE_MOUNT, SandboxResult
 from tracerl.envs.tasks import check_relative_path
 
-TOOL_NAMES = ("list_files", "view_file", "replace", "write_file", "undo", "run_tests", "submit")
+TOOL_NAMES = ("list_files", "view_file", "replace", "write_file", "undo", "restart", "run_tests",
+              "submit")
 """Every tool, in the order the schemas list them."""
 
 _PARAMS: dict[str, tuple[dict[str, str], str]] = {
@@ -38,6 +39,9 @@ _PARAMS: dict[str, tuple[dict[str, str], str]] = {
                    "Create or overwrite a file."),
     "undo": ({}, "Undo the last edit (replace or write_file) that changed a file; an edited "
                  "line is shown as it is again."),
+    "restart": ({}, "Give up this try: every file goes back to how the task gave it, and the "
+                    "attempt goes on from the task statement in a fresh context (the turn budget "
+                    "is not reset)."),
     "run_tests": ({}, "Run the visible tests. Answers PASS, or FAIL and what failed."),
     "submit": ({}, "End the attempt; the final files are then checked by hidden tests."),
 }

@@ -9,9 +9,9 @@ add. ``behaviour`` reads them from the recorded actions and observations:
   (``old`` not found, line out of range...).
 - ``malformed``: actions with no valid tool call (bad JSON, unknown tool, bad arguments).
 - ``after_fail``: the next action after each ``run_tests`` that answered ``FAIL``, counted by
-  tool (``undo``, ``replace``, ``submit``, ``run_tests``, ``view_file``, ...; ``malformed``;
-  ``none`` when the attempt ran out of turns there), with shares. ``after_fail.retry`` is the
-  share that tried again (``undo`` or ``replace``).
+  tool (``undo``, ``restart``, ``replace``, ``submit``, ``run_tests``, ``view_file``, ...;
+  ``malformed``; ``none`` when the attempt ran out of turns there), with shares.
+  ``after_fail.retry`` is the share that tried again (``undo``, ``restart`` or ``replace``).
 - ``after_edit``: the next action after each ``replace`` that applied: ``run_tests`` (checks
   its edit) or ``submit`` (submits it untested), ...
 
@@ -85,7 +85,8 @@ def behaviour(decoder: Decoder, attempts: Sequence[Attempt]) -> dict[str, Any]:
                     "FAIL"):
                 after_fail[following] += 1
     fail = _shares(after_fail)
-    fail["retry"] = ((after_fail["undo"] + after_fail["replace"]) / fail["count"]
+    retried = after_fail["undo"] + after_fail["restart"] + after_fail["replace"]
+    fail["retry"] = (retried / fail["count"]
                      if fail["count"] else None)
     return {"actions": actions, "malformed": malformed / actions if actions else None,
             "edits": edits, "edits_applied": applied / edits if edits else None,

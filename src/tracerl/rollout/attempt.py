@@ -2,7 +2,8 @@
 
 Token bookkeeping: ``context`` holds the current fragment's tokens as fed to the policy and
 ``pending`` the context tokens that arrived since the last action (first prompt, closing and
-observation, or the summary after a compaction). A turn is recorded as ``(pending, action)``,
+observation, or the summary after a compaction, or the task statement after ``restart``).
+A turn is recorded as ``(pending, action)``,
 so concatenating a fragment's segments up to any action gives exactly the prompt that action
 was sampled from.
 """
@@ -250,6 +251,12 @@ class AttemptRunner:
             return _Ending(EndReason.TRUNCATED_TURNS, delta, score=True)
         if budget_left is not None and budget_left <= 0:
             return _Ending(EndReason.TRUNCATED_TOKENS, delta, score=True)
+        if info.get("fresh_context"):
+            # The environment started the task over (``restart``): the attempt goes on in a
+            # new context whose first message is what it answered, so the next try is not
+            # conditioned on the one given up. Not an ending: the fragment is ``continued``.
+            self._new_fragment(state, observation)
+            return None
         compaction = self.config.compaction
         if compaction is not None and len(state.context) + len(delta) > compaction.threshold_tokens:
             if len(state.fragments) + 2 > compaction.max_fragments:
@@ -278,10 +285,15 @@ class AttemptRunner:
             return completion.text
 
         summary = await compaction.summarizer.summarize(history, generate_text)
+        self._new_fragment(state, summary)
+
+    def _new_fragment(self, state: _State, text: str) -> None:
+        """Close the fragment as ``continued``; the next one starts from ``text`` as its first
+        user message (a compaction's summary, or the statement after ``restart``)."""
         state.fragments.append(Fragment(len(state.fragments), tuple(state.turns),
                                         EndReason.CONTINUED))
         state.turns, state.context = [], []
-        state.pending, state.pending_role = self.chat.first_prompt(summary), Role.SUMMARY
+        state.pending, state.pending_role = self.chat.first_prompt(text), Role.SUMMARY
 
     async def _score(self, state: _State, env: Any, ending: _Ending) -> _Ending:
         """Ask the environment's verifier about the files a truncated attempt left."""

@@ -42,7 +42,10 @@ versions of the buggy part of the line, each tested and FAIL, then the right one
 submit: a demonstrator that does not know the fix and uses the tests to find it). With
 ``undo``, ``recovery`` and ``search`` undo each failed try (FAIL, ``undo``, the line shown as
 the task gave it) and edit that line again; ``search`` then makes one wrong try, as three
-turns per try leave room for one in the built-in 8-turn budget."""
+turns per try leave room for one in the built-in 8-turn budget. With ``restart`` they call
+``restart`` after the FAIL instead, and the demonstration ends there, as it ends at ``submit``:
+the environment then starts the task over in a fresh context, and what follows is a first try
+like any other (the ``correct``/``checked`` demonstrations show it)."""
 
 
 @dataclass(frozen=True)
@@ -240,7 +243,8 @@ def _edit(path: str | None, line: int | None, before: str, after: str,
 
 def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random, *,
                        line_edits: bool = False, implicit_path: bool = False,
-                       whole_line: bool = False, undo: bool = False) -> Demonstration:
+                       whole_line: bool = False, undo: bool = False,
+                       restart: bool = False) -> Demonstration:
     """Play one scripted attempt in ``env`` (a ``CodingEnv``); submit is not stepped (its
     observation is never shown to the policy, and verification would only cost time).
 
@@ -251,7 +255,9 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
     ``view_file`` and ``replace`` leave out ``path`` and act on the environment's open file
     (the task's first editable file, which is the one with the bug in the built-in suite).
     ``undo``: after a wrong edit's FAIL, ``recovery`` and ``search`` call ``undo`` and make the
-    next edit on the original line (otherwise they edit the wrong version)."""
+    next edit on the original line (otherwise they edit the wrong version). ``restart`` (which
+    wins over ``undo``): after a wrong try's FAIL they call ``restart``, which ends this context;
+    the demonstration stops there (the environment is not stepped, as for ``submit``)."""
     if whole_line and not line_edits:
         raise ValueError("play_demonstration: whole_line needs line_edits")
     if line_edits:
@@ -274,6 +280,9 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
         found = minimal_edit(bad, good)[0] if line is not None else bad
         actions += [edit(bad, good, old=misremembered_old(bad, found, rng)), edit(bad, good),
                     _call("run_tests")]
+    elif kind in ("search", "recovery") and restart:
+        wrong_try = search_candidates(bad, good, rng, most=1)[0] if kind == "search" else wrong
+        actions += [edit(bad, wrong_try), _call("run_tests"), _call("restart")]
     elif kind == "search":
         current = bad
         # With undo a wrong try costs three turns: one of them fits the built-in 8-turn budget.
@@ -299,8 +308,11 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
             actions.append(_call("run_tests"))
     turns: list[tuple[str, str | None]] = []
     for action in actions:
-        if undo and action == _call("undo") and turns and turns[-1][1] == "PASS":
+        if action in (_call("undo"), _call("restart")) and turns and turns[-1][1] == "PASS":
             break  # the wrong try passed the visible tests: the demonstrator submits it
+        if action == _call("restart"):
+            turns.append((action, None))
+            return Demonstration(task.id, kind, str(first), tuple(turns))
         observation, _, terminated, truncated, info = env.step(action)
         if terminated or truncated or info.get("tool_error"):
             raise ValueError(f"task {task.id}: demonstration step {action!r} ended the episode")
@@ -314,7 +326,7 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                         check_fraction: float, seed: int, line_edits: bool = False,
                         implicit_path: bool = False, retry_fraction: float = 0.0,
                         search_fraction: float = 0.0, whole_line: bool = False,
-                        undo: bool = False) -> list[Demonstration]:
+                        undo: bool = False, restart: bool = False) -> list[Demonstration]:
     """``demos_per_task`` demonstrations of each task, kinds drawn from the fractions."""
     if whole_line and retry_fraction > 0:
         raise ValueError("make_demonstrations: retry demonstrations misremember `old`, which "
@@ -329,7 +341,8 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                                  retry_fraction, search_fraction)
                 demos.append(play_demonstration(task, kind, env, rng, line_edits=line_edits,
                                                 implicit_path=implicit_path,
-                                                whole_line=whole_line, undo=undo))
+                                                whole_line=whole_line, undo=undo,
+                                                restart=restart))
     finally:
         env.close()
     return demos
