@@ -8,6 +8,7 @@ import pytest
 
 from tracerl.train.config import (
     TrainConfig,
+    config_changes,
     config_from_dict,
     describe_config,
     dump_config,
@@ -88,6 +89,29 @@ def test_dump_round_trips(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(dump_config(config))
     assert load_config(path) == config
+
+
+def test_a_reused_run_dir_says_what_changed(tmp_path: Path) -> None:
+    from tracerl.train.trainer import Trainer
+
+    run = tmp_path / "run"
+    run.mkdir()
+    old = load_config(None, [f"run_dir={run}", "rollout.max_turns=8"])
+    (run / "config.yaml").write_text(dump_config(old))
+    new = load_config(None, [f"run_dir={run}", "rollout.max_turns=12", "sft.restart=true"])
+    messages: list[str] = []
+    Trainer(new, log=messages.append)._check_config_file()
+    (message,) = messages
+    assert "already holds a run" in message
+    assert "rollout.max_turns: 8 -> 12" in message and "sft.restart: False -> True" in message
+    assert load_config(run / "config.yaml") == new
+    (kept,) = run.glob("config.*.yaml")
+    assert load_config(kept) == old and kept.name in message
+    # The same config again: nothing to say, nothing renamed.
+    Trainer(new, log=messages.append)._check_config_file()
+    assert len(messages) == 1 and len(list(run.glob("config.*.yaml"))) == 1
+    assert config_changes({"a": {"b": 1}}, {"a": {"b": 2}, "c": 3}) == [
+        "a.b: 1 -> 2", "c: '(none)' -> 3"]
 
 
 def test_every_field_has_help() -> None:

@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 
 import pytest
 
 from tracerl.envs import CodingEnv
 from tracerl.envs.suite import generate_split
+from tracerl.envs.tasks import Task
 from tracerl.envs.tools import parse_tool_call
 from tracerl.models.tiny import build_tiny_model, train_tokenizer
 from tracerl.rollout import HFPolicy
 from tracerl.rollout.chat_tokens import ChatTokens
 from tracerl.train.augment import is_renamed
 from tracerl.train.sft import (
+    DemoKind,
+    Demonstration,
     bug_line,
     bug_location,
     demonstration_texts,
@@ -298,62 +302,60 @@ def test_whole_line_demonstrations_rewrite_the_line_and_pass() -> None:
         play_demonstration(tasks[0], "correct", CodingEnv(tasks), rng, whole_line=True)
 
 
-def test_undo_demonstrations_make_every_try_on_the_original_line() -> None:
-    tasks = generate_split("train", 0, 28, composed=True)
+def _tries(count: int, seed: int, restart: bool = False
+           ) -> Iterator[tuple[Task, Demonstration]]:
+    """``recovery`` and ``search`` demonstrations (with ``undo``) of ``count`` train tasks."""
+    tasks = generate_split("train", 0, count, composed=True)
     env = CodingEnv(tasks)
-    rng = random.Random(5)
-    passed_wrong = 0
+    rng = random.Random(seed)
+    kinds: tuple[DemoKind, ...] = ("recovery", "search")
     try:
         for task in tasks:
-            _, number, bad, _ = bug_location(task)
-            for kind in ("recovery", "search"):
-                demo = play_demonstration(task, kind, env, rng, line_edits=True,
-                                          implicit_path=True, undo=True)
-                calls = [parse_tool_call(a).call for a, _ in demo.turns]
-                assert all(c is not None for c in calls)
-                names = [c.name for c in calls if c is not None]
-                # Each wrong try: edit, FAIL, undo (the line shown as the task gave it); a
-                # wrong try that passes the visible tests is submitted.
-                tries = names.count("replace")
-                assert len(names) <= 8 and demo.turns[-2][1] == "PASS"
-                if tries == 1:
-                    passed_wrong += 1
-                    continue
-                assert tries == 2 and names.count("undo") == 1
-                for i, name in enumerate(names):
-                    if name == "undo":
-                        assert names[i - 2:i] == ["replace", "run_tests"]
-                        assert demo.turns[i - 1][1].startswith("FAIL")
-                        assert demo.turns[i][1] == f"OK\n{number}: {bad}"
-                # Every edit's old text is a piece of the buggy line, never of a wrong version.
-                assert all(c.arguments["old"] in bad for c in calls
-                           if c is not None and c.name == "replace")
+            for kind in kinds:
+                yield task, play_demonstration(task, kind, env, rng, line_edits=True,
+                                               implicit_path=True, undo=True, restart=restart)
     finally:
         env.close()
+
+
+def test_undo_demonstrations_make_every_try_on_the_original_line() -> None:
+    passed_wrong = 0
+    for task, demo in _tries(28, 5):
+        _, number, bad, _ = bug_location(task)
+        calls = [parse_tool_call(a).call for a, _ in demo.turns]
+        assert all(c is not None for c in calls)
+        names = [c.name for c in calls if c is not None]
+        # Each wrong try: edit, FAIL, undo (the line shown as the task gave it); a
+        # wrong try that passes the visible tests is submitted.
+        tries = names.count("replace")
+        assert len(names) <= 8 and demo.turns[-2][1] == "PASS"
+        if tries == 1:
+            passed_wrong += 1
+            continue
+        assert tries == 2 and names.count("undo") == 1
+        for i, name in enumerate(names):
+            if name == "undo":
+                assert names[i - 2:i] == ["replace", "run_tests"]
+                assert demo.turns[i - 1][1].startswith("FAIL")
+                assert demo.turns[i][1] == f"OK\n{number}: {bad}"
+        # Every edit's old text is a piece of the buggy line, never of a wrong version.
+        assert all(c.arguments["old"] in bad for c in calls
+                   if c is not None and c.name == "replace")
     assert passed_wrong < 10  # rare: most wrong tries fail the visible tests
 
 
 def test_restart_demonstrations_end_at_the_restart_after_a_fail() -> None:
-    tasks = generate_split("train", 0, 21, composed=True)
-    env = CodingEnv(tasks)
-    rng = random.Random(3)
     ended = 0
-    try:
-        for task in tasks:
-            for kind in ("recovery", "search"):
-                demo = play_demonstration(task, kind, env, rng, line_edits=True,
-                                          implicit_path=True, undo=True, restart=True)
-                calls = [parse_tool_call(a).call for a, _ in demo.turns]
-                names = [c.name for c in calls if c is not None]
-                assert len(names) == len(calls) and names.count("replace") == 1
-                if names[-1] == "submit":  # the wrong try passed the visible tests
-                    assert demo.turns[-2][1] == "PASS"
-                    continue
-                ended += 1
-                # One wrong try, its FAIL, then restart: the context ends there.
-                assert names == ["view_file", "replace", "run_tests", "restart"]
-                assert demo.turns[2][1] is not None and demo.turns[2][1].startswith("FAIL")
-                assert demo.turns[-1][1] is None
-    finally:
-        env.close()
+    for _, demo in _tries(21, 3, restart=True):
+        calls = [parse_tool_call(a).call for a, _ in demo.turns]
+        names = [c.name for c in calls if c is not None]
+        assert len(names) == len(calls) and names.count("replace") == 1
+        if names[-1] == "submit":  # the wrong try passed the visible tests
+            assert demo.turns[-2][1] == "PASS"
+            continue
+        ended += 1
+        # One wrong try, its FAIL, then restart: the context ends there.
+        assert names == ["view_file", "replace", "run_tests", "restart"]
+        assert demo.turns[2][1] is not None and demo.turns[2][1].startswith("FAIL")
+        assert demo.turns[-1][1] is None
     assert ended > 30

@@ -522,6 +522,19 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
+def config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """``key: old -> new`` for every field whose value differs between two config dicts
+    (nested sections by dotted key; a field only one side has shows ``(none)`` on the other)."""
+    changes: list[str] = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "(none)"), new.get(key, "(none)")
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += config_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changes.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return changes
+
+
 def dump_config(config: TrainConfig) -> str:
     """The config as YAML text that :func:`load_config` reads back to an equal config."""
     return yaml.safe_dump(config_to_dict(config), sort_keys=False)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from tracerl.core import kl_reward_penalty, loss_weights, mismatch_metrics
 from tracerl.envs import CodingEnv, Sandbox, Task, load_tasks
@@ -47,7 +48,7 @@ from tracerl.train.algorithms import (
     group_outcome_metrics,
 )
 from tracerl.train.augment import fresh_name, is_renamed, module_name, renamed_copies
-from tracerl.train.config import TrainConfig, dump_config
+from tracerl.train.config import TrainConfig, config_changes, dump_config
 from tracerl.train.metrics import MetricsWriter, StepProgress
 from tracerl.train.sft import (
     demonstration_texts,
@@ -183,8 +184,14 @@ class Trainer:
         path = self.run_dir / "config.yaml"
         text = dump_config(self.config)
         if path.is_file() and path.read_text(encoding="utf-8") != text:
-            # The run's recipe changed under a resume: keep the old one visible, use the new.
-            path.rename(self.run_dir / f"config.{int(time.time())}.yaml")
+            # The run's recipe changed under a resume: keep the old one visible, use the new,
+            # and say what changed (a run dir reused for a new experiment resumes the old run).
+            kept = self.run_dir / f"config.{int(time.time())}.yaml"
+            path.rename(kept)
+            changes = config_changes(yaml.safe_load(kept.read_text(encoding="utf-8")) or {},
+                                     yaml.safe_load(text))
+            self.log(f"{self.run_dir} already holds a run; its config changed ("
+                     + "; ".join(changes) + f"); the old one is kept as {kept.name}")
         path.write_text(text, encoding="utf-8")
 
     def _load_tasks(self, split: str) -> list[Task]:
