@@ -86,8 +86,7 @@ def behaviour(decoder: Decoder, attempts: Sequence[Attempt]) -> dict[str, Any]:
                 after_fail[following] += 1
     fail = _shares(after_fail)
     retried = after_fail["undo"] + after_fail["restart"] + after_fail["replace"]
-    fail["retry"] = (retried / fail["count"]
-                     if fail["count"] else None)
+    fail["retry"] = retried / fail["count"] if fail["count"] else None
     return {"actions": actions, "malformed": malformed / actions if actions else None,
             "edits": edits, "edits_applied": applied / edits if edits else None,
             "after_fail": fail, "after_edit": _shares(after_edit)}

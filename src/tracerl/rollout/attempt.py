@@ -3,9 +3,8 @@
 Token bookkeeping: ``context`` holds the current fragment's tokens as fed to the policy and
 ``pending`` the context tokens that arrived since the last action (first prompt, closing and
 observation, or the summary after a compaction, or the task statement after ``restart``).
-A turn is recorded as ``(pending, action)``,
-so concatenating a fragment's segments up to any action gives exactly the prompt that action
-was sampled from.
+A turn is recorded as ``(pending, action)``, so concatenating a fragment's segments up to any
+action gives exactly the prompt that action was sampled from.
 """
 
 from __future__ import annotations
