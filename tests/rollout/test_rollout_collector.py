@@ -268,7 +268,8 @@ def test_toy_policy_fitted_on_real_test_outputs_submits_after_each(tasks: list[A
 
 
 class _Sequence(ScriptedPolicy):
-    """Plays fixed actions in order (one attempt at a time), whatever the prompt."""
+    """Plays fixed actions in order (one attempt at a time), whatever the conversation holds:
+    after a restart the fresh context holds none of them. Remembers every prompt fed."""
 
     def __init__(self, base: HFPolicy, tasks: list[Any], actions: list[str]) -> None:
         super().__init__(base, tasks, lambda _task: list(actions))
@@ -276,12 +277,11 @@ class _Sequence(ScriptedPolicy):
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  **kwargs: Any) -> list[Completion]:
-        (prompt,) = prompts
-        self.fed.append(list(prompt))
-        action = self.actions[len(self.fed) - 1]
-        ids = [*self.base.tokenizer.encode(action, add_special_tokens=False), self._eos]
-        return [Completion(tuple(ids), tuple(0.0 for _ in ids), "stop", action, self._eos,
-                           self.policy_version)]
+        self.fed.extend(list(p) for p in prompts)
+        return super().generate(prompts, params, **kwargs)
+
+    def next_action(self, text: str) -> str:
+        return self.actions[len(self.fed) - 1]
 
 
 def test_restart_continues_the_attempt_in_a_fresh_context(

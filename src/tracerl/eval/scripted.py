@@ -73,15 +73,19 @@ class ScriptedPolicy:
             raise ValueError(f"scripted policy: prompt matches {len(found)} tasks, expected 1")
         return found[0]
 
+    def next_action(self, text: str) -> str:
+        """The action to answer the conversation ``text`` with: the first of its task's script
+        that the conversation does not hold yet."""
+        script = self.scripts[self._task_of(text).id]
+        return next((a for a in script if a not in text), script[-1])
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  **_: Any) -> list[Completion]:
         out = []
         tokenizer = self.base.tokenizer
         for prompt in prompts:
-            text = str(tokenizer.decode(list(prompt), skip_special_tokens=False))
-            script = self.scripts[self._task_of(text).id]
-            # The next action is the first one the conversation does not hold yet.
-            action = next((a for a in script if a not in text), script[-1])
+            action = self.next_action(str(tokenizer.decode(list(prompt),
+                                                           skip_special_tokens=False)))
             ids = [*tokenizer.encode(action, add_special_tokens=False), self._eos]
             # The generation cap binds a script as it binds a model: a cut action is recorded
             # cut, and the environment sees the broken call.
