@@ -47,6 +47,7 @@ def test_overrides_are_typed() -> None:
     ("tensorboard=1", "tensorboard: got 1 (int), accepts bool"),
     ("algorithm.estimator=ppo", "algorithm.estimator: got 'ppo', accepts one of 'grpo'"),
     ("update=3", "update: got 3, accepts a mapping"),
+    ("sft.fresh_locals=1.5", "sft.fresh_locals: must be a probability"),
 ])
 def test_bad_keys_and_types_are_refused_by_name(override: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -76,6 +76,10 @@ class TasksConfig:
     renamed_copies: int = 0
     """Renamed copies of each train task (function and module given fresh names), so a small
     policy learns to copy names from what it reads instead of memorising the suite's."""
+    fresh_locals: bool = False
+    """Renamed copies also give the module's local variables fresh names
+    (``train.augment.fresh_local_names``): a local the fix must return is then read, not
+    recalled."""
     rl_count: int = 0
     """Built-in train tasks made for RL only (with their renamed copies), after the
     ``train_count`` the demonstrations come from. When above 0, RL draws only from these: the
@@ -127,6 +131,11 @@ class SFTConfig:
     """Probability that a demonstration, each time it is drawn for a batch, is renamed with a
     freshly drawn function/module name (see ``train.augment``): the policy must then copy the
     name it reads, as it will have to on held-out tasks, instead of recalling it."""
+    fresh_locals: float = 0.0
+    """Probability that a demonstration, each time it is drawn, also has its task's local
+    variables renamed with freshly drawn names (``train.augment.fresh_local_names``): the
+    composed templates fix one set of locals per body, which a small policy otherwise
+    recalls instead of copying."""
     implicit_path: bool = False
     """Demonstrations call ``view_file`` and ``replace`` without ``path``, relying on the
     environment's open file (see ``CodingEnv.open_file``): names need not be typed at all."""
@@ -194,6 +203,14 @@ class RolloutConfig:
     default: it rewards what the visible tests measure, a possible source of bias."""
     process_reward_coef: float = 0.1
     """Scale of the process reward."""
+    edit_reward: bool = False
+    """Give each turn a process reward for its tool call: a ``replace`` that the tool applied
+    (and that changed the line) ``coef``, a ``replace`` it refused (``old text not found``) or
+    a malformed call 0. It credits the turn that typed an ``old`` not in the line, which the
+    outcome alone credits only through the whole attempt (an attempt that fixes the bug after
+    three edits that did not apply rewards those three too). Off by default: it rewards edits
+    that apply, whether or not they fix anything (a possible source of bias; the outcome still
+    decides what fixes). With ``gamma`` 0 each turn gets its own reward only."""
 
 
 @dataclass(frozen=True)
@@ -565,6 +582,9 @@ def validate(config: TrainConfig) -> None:
     if not 0.0 <= config.sft.fresh_names <= 1.0:
         raise ValueError(f"sft.fresh_names: must be a probability in [0, 1], "
                          f"got {config.sft.fresh_names}")
+    if not 0.0 <= config.sft.fresh_locals <= 1.0:
+        raise ValueError(f"sft.fresh_locals: must be a probability in [0, 1], "
+                         f"got {config.sft.fresh_locals}")
     if not config.sft.observation_weight >= 0.0:
         raise ValueError(f"sft.observation_weight: must be >= 0, "
                          f"got {config.sft.observation_weight}")

@@ -47,13 +47,21 @@ from tracerl.train.algorithms import (
     compute_advantages,
     group_outcome_metrics,
 )
-from tracerl.train.augment import fresh_name, is_renamed, module_name, renamed_copies
+from tracerl.train.augment import (
+    fresh_local_names,
+    fresh_name,
+    is_renamed,
+    module_name,
+    renamed_copies,
+)
 from tracerl.train.config import TrainConfig, config_changes, dump_config
 from tracerl.train.metrics import MetricsWriter, StepProgress
 from tracerl.train.sft import (
     demonstration_texts,
+    locals_rename_is_exact,
     make_demonstrations,
     rename_demonstration,
+    rename_demonstration_locals,
     supervised_finetune,
     tokenize_demonstration,
 )
@@ -213,7 +221,8 @@ class Trainer:
     def _with_copies(self, tasks: list[Task]) -> list[Task]:
         """``tasks`` followed by their renamed copies (``tasks.renamed_copies`` of each)."""
         copies, seed = self.config.tasks.renamed_copies, self.config.tasks.suite_seed
-        return renamed_copies(tasks, copies, seed) if copies else tasks
+        return (renamed_copies(tasks, copies, seed, fresh_locals=self.config.tasks.fresh_locals)
+                if copies else tasks)
 
     def make_env_factory(self, tasks: Sequence[Task]) -> Callable[[], CodingEnv]:
         """A factory of fresh environments over ``tasks`` (one per attempt)."""
@@ -292,21 +301,34 @@ class Trainer:
         demos = self.demonstrations()
         sequences = [tokenize_demonstration(d, chat, self.tokenizer) for d in demos]
         modules = {t.id: module_name(t) for t in self.train_tasks}
+        by_id = {t.id: t for t in self.train_tasks}
         names = random.Random(f"{self.config.seed}:fresh-names")
 
         def redraw(index: int, rng: random.Random) -> tuple[list[int], list[bool]]:
-            if rng.random() >= sft.fresh_names:
+            rename = rng.random() < sft.fresh_names
+            # Drawn only when on, so a run without fresh locals draws what it always drew.
+            relocal = sft.fresh_locals > 0 and rng.random() < sft.fresh_locals
+            if not (rename or relocal):
                 return sequences[index]
             demo = demos[index]
-            renamed = rename_demonstration(demo, modules[demo.task_id], fresh_name(names))
-            return tokenize_demonstration(renamed, chat, self.tokenizer)
+            new = fresh_name(names) if rename else modules[demo.task_id]
+            if rename:
+                demo = rename_demonstration(demo, modules[demo.task_id], new)
+            if relocal:
+                task = by_id[demos[index].task_id]
+                for _ in range(4):  # names under which every edit still applies as shown
+                    mapping = fresh_local_names(task, names, taken=frozenset({new}))
+                    if locals_rename_is_exact(task, demos[index], mapping):
+                        demo = rename_demonstration_locals(demo, mapping)
+                        break
+            return tokenize_demonstration(demo, chat, self.tokenizer)
 
         kinds = Counter(d.kind for d in demos)
         result = supervised_finetune(
             self.actor.policy, sequences, steps=sft.steps, batch_size=sft.batch_size, lr=sft.lr,
             seed=self.config.seed, pad_id=int(self.tokenizer.pad_token_id),
             max_seconds=sft.max_seconds, observation_weight=sft.observation_weight,
-            redraw=redraw if sft.fresh_names > 0 else None)
+            redraw=redraw if sft.fresh_names > 0 or sft.fresh_locals > 0 else None)
         directory = self.run_dir / "sft"
         self.actor.policy.save_pretrained(directory)  # type: ignore[operator]
         self.tokenizer.save_pretrained(directory)
@@ -455,7 +477,7 @@ class Trainer:
         configured, and applies each ending's treatment while packing. The batch is None when
         dynamic sampling kept no group (all were uniform and no refill found a mixed one).
         """
-        if self.config.rollout.process_reward:
+        if self.config.rollout.process_reward or self.config.rollout.edit_reward:
             attempts = [self._with_process_rewards(a) for a in attempts]
         batch = pack(attempts, has_critic=self.actor.has_critic,
                      pad_token_id=int(self.tokenizer.pad_token_id)) if attempts else None
@@ -504,10 +526,14 @@ class Trainer:
         return batch, metrics
 
     def _with_process_rewards(self, attempt: Attempt) -> Attempt:
-        """Each turn that ran the visible tests gets ``coef * [the tests passed]``, read from
-        the observation that came back. Off by default: it rewards what the visible tests
-        measure, which the hidden tests may not (a possible source of bias)."""
-        coef = self.config.rollout.process_reward_coef
+        """Process rewards read from the observations that came back: with
+        ``rollout.process_reward`` each turn that ran the visible tests gets
+        ``coef * [the tests passed]``; with ``rollout.edit_reward`` each ``replace`` gets
+        ``coef * [the tool applied it and it changed the line]`` and each malformed call 0.
+        Both are off by default (see the config fields: each rewards something the hidden
+        tests do not measure, a possible source of bias)."""
+        rollout = self.config.rollout
+        coef = rollout.process_reward_coef
         fragments = []
         for fragment in attempt.fragments:
             turns = list(fragment.turns)
@@ -517,14 +543,27 @@ class Trainer:
                     continue
                 text = self.policy.decode(action[-1].token_ids.tolist())
                 call = parse_tool_call(text).call
-                if call is None or call.name != "run_tests":
+                if call is None:
+                    if rollout.edit_reward:
+                        turns[i] = Turn(turn.segments, 0.0)
+                    continue
+                if call.name not in ("run_tests", "replace"):
+                    continue
+                if call.name == "run_tests" and not rollout.process_reward:
+                    continue
+                if call.name == "replace" and not rollout.edit_reward:
                     continue
                 if i + 1 < len(turns):
                     following = turns[i + 1].segments[0].token_ids
                 else:
                     following = fragment.continuation_ids
-                passed = self.policy.decode(following.tolist()).lstrip().startswith("PASS")
-                turns[i] = Turn(turn.segments, coef * float(passed))
+                answer = self.policy.decode(following.tolist()).lstrip()
+                if call.name == "run_tests":
+                    earned = answer.startswith("PASS")
+                else:
+                    earned = (answer.startswith("OK")
+                              and call.arguments.get("old") != call.arguments.get("new"))
+                turns[i] = Turn(turn.segments, coef * float(earned))
             fragments.append(dataclasses.replace(fragment, turns=tuple(turns)))
         return dataclasses.replace(attempt, fragments=tuple(fragments))
 

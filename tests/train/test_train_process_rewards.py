@@ -1,0 +1,58 @@
+"""Process rewards read from the tools' answers: passing test runs, and edits that applied."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tracerl.envs.tasks import Task
+from tracerl.eval.evaluate import EvalSettings, collect_attempts
+from tracerl.eval.scripted import ScriptedPolicy
+from tracerl.models.tiny import render_tool_call
+from tracerl.train.config import config_from_dict
+from tracerl.train.sft import bug_location, minimal_edit
+from tracerl.train.trainer import Trainer
+
+
+def _script(task: Task) -> list[str]:
+    """view, an edit whose ``old`` is not in the line, a no-op edit, the fix, a malformed call,
+    a test run (PASS), submit."""
+    _, line, bad, good = bug_location(task)
+    old, new = minimal_edit(bad, good)
+    return [render_tool_call("view_file", {}),
+            render_tool_call("replace", {"line": line, "old": "@@", "new": new}),
+            render_tool_call("replace", {"line": line, "old": old, "new": old}),
+            render_tool_call("replace", {"line": line, "old": old, "new": new}),
+            '<tool_call>{"name": "replace", "arguments": </tool_call>',
+            render_tool_call("run_tests", {}),
+            render_tool_call("submit", {})]
+
+
+@pytest.mark.parametrize(("process", "edits", "expected"), [
+    (False, True, [None, 0.0, 0.0, 0.5, 0.0, None, None]),
+    (True, True, [None, 0.0, 0.0, 0.5, 0.0, 0.5, None]),
+    (True, False, [None, None, None, None, None, 0.5, None]),
+])
+def test_edit_and_test_rewards_per_turn(tmp_path: Path, process: bool, edits: bool,
+                                        expected: list[float | None]) -> None:
+    config = config_from_dict({
+        "run_dir": str(tmp_path / "run"), "threads": 1, "tensorboard": False, "progress": False,
+        "model": {"vocab_size": 400, "hidden_size": 16, "num_layers": 1, "num_heads": 2,
+                  "intermediate_size": 32},
+        "tasks": {"train_count": 2, "heldout_count": 1},
+        "rollout": {"show_tool_schemas": False, "process_reward": process,
+                    "edit_reward": edits, "process_reward_coef": 0.5},
+    })
+    trainer = Trainer(config)
+    trainer.setup()
+    task = trainer.train_tasks[0]
+    scripted = ScriptedPolicy(trainer.policy, [task], _script)
+    scripted.conversation = {"tool_schemas_in_prompt": False}  # as the trainer collects
+    settings = EvalSettings(samples=1, max_turns=10, max_new_tokens_per_turn=400,
+                            max_new_tokens=4000)
+    (attempt,), _ = collect_attempts(scripted, [task], settings, sandbox=trainer.sandbox)
+    assert attempt.reward == 1.0  # the fix passes the hidden tests
+    rewarded = trainer._with_process_rewards(attempt)
+    turns = [t for fragment in rewarded.fragments for t in fragment.turns]
+    assert [t.process_reward for t in turns] == expected
