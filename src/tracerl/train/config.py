@@ -319,6 +319,12 @@ class UpdateConfig:
     diverse), below 0 a penalty (entropy minimisation: the policy sharpens toward what it
     already prefers, so its samples at a fixed temperature come closer to its greedy
     decoding). 0: off."""
+    positive_nll_coef: float = 0.0
+    """Weight of an extra likelihood term, ``-coef * log pi``, on the action tokens whose
+    advantage is above 0: behaviour cloning of the policy's own better-than-its-group
+    attempts (filtered, as in expert iteration), unclipped, so it keeps sharpening the tokens
+    that PPO's clip stops moving within a step. Weighted like the policy loss (the same
+    ``loss_mode`` denominators), so micro-batching and ranks leave it unchanged. 0: off."""
     kl_coef: float = 0.0
     """Weight of the KL to the reference (the SFT or initial policy); 0: no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -582,6 +588,9 @@ def validate(config: TrainConfig) -> None:
     if not 0.0 <= config.sft.fresh_names <= 1.0:
         raise ValueError(f"sft.fresh_names: must be a probability in [0, 1], "
                          f"got {config.sft.fresh_names}")
+    if not config.update.positive_nll_coef >= 0.0:
+        raise ValueError(f"update.positive_nll_coef: must be >= 0, "
+                         f"got {config.update.positive_nll_coef}")
     if not 0.0 <= config.sft.fresh_locals <= 1.0:
         raise ValueError(f"sft.fresh_locals: must be a probability in [0, 1], "
                          f"got {config.sft.fresh_locals}")
