@@ -141,6 +141,7 @@ def test_fresh_locals_rename_only_code_and_keep_tasks_valid() -> None:
         fresh_local_names,
         local_names,
         module_name,
+        rename_task_locals,
         renamed_copies,
     )
 
@@ -166,7 +167,6 @@ def test_fresh_locals_rename_only_code_and_keep_tasks_valid() -> None:
         assert not set(local_names(original)) & set(local_names(copy))
         assert validate_task(copy, sandbox).problems == ()
     with pytest.raises(ValueError, match="not renamable locals"):
-        from tracerl.train.augment import rename_task_locals
         rename_task_locals(offset, {"a": "q"})
 
 

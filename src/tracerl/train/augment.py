@@ -118,7 +118,7 @@ def renamed_copies(tasks: Sequence[Task], copies: int, seed: int, *,
 
 _WORD = re.compile(r"\w+")
 _TOOL_WORDS = frozenset({"line", "old", "new", "path", "name", "arguments", "error", "text",
-                         "found", "got", "want", "PASS", "FAIL", "OK"})
+                         "found"})
 """Words of the tools' calls and answers: never given to a local (a transcript would read
 ``"old": "old"``)."""
 

@@ -26,10 +26,11 @@ import torch
 
 from tracerl.core import loss_weights
 from tracerl.envs.tasks import Task
+from tracerl.envs.tools import parse_tool_call
 from tracerl.models.tiny import render_tool_call
 from tracerl.rollout.chat_tokens import ChatTokens
 from tracerl.rollout.sampling import logprobs_from_logits
-from tracerl.train.augment import RENAMED_MARK, rename_locals_text, rename_text
+from tracerl.train.augment import RENAMED_MARK, module_name, rename_locals_text, rename_text
 
 DemoKind = Literal["correct", "checked", "wrong", "wrong_checked", "recovery", "retry",
                    "search"]
@@ -385,8 +386,6 @@ def locals_rename_is_exact(task: Task, demo: Demonstration, mapping: Mapping[str
     edits type, how often it occurs in each line of the module and of its solution, so that
     the ``replace`` tool answers each rewritten edit as it answered the original (a short name
     may occur inside a longer one: ``v`` in ``every``)."""
-    from tracerl.envs.tools import parse_tool_call
-
     olds: list[str] = []
     for action, _ in demo.turns:
         call = parse_tool_call(action).call
@@ -395,7 +394,7 @@ def locals_rename_is_exact(task: Task, demo: Demonstration, mapping: Mapping[str
             olds.append(call.arguments["old"])
     if not olds:
         return True
-    path = next(p for p in task.files if p.endswith(".py") and not p.startswith("test_"))
+    path = f"{module_name(task)}.py"
     for source in (task.files[path], (task.solution or {}).get(path, "")):
         renamed = rename_locals_text(source, mapping)
         for before, after in zip(source.splitlines(), renamed.splitlines(), strict=True):

@@ -534,6 +534,7 @@ class Trainer:
         tests do not measure, a possible source of bias)."""
         rollout = self.config.rollout
         coef = rollout.process_reward_coef
+        rewarded = {"run_tests": rollout.process_reward, "replace": rollout.edit_reward}
         fragments = []
         for fragment in attempt.fragments:
             turns = list(fragment.turns)
@@ -547,11 +548,7 @@ class Trainer:
                     if rollout.edit_reward:
                         turns[i] = Turn(turn.segments, 0.0)
                     continue
-                if call.name not in ("run_tests", "replace"):
-                    continue
-                if call.name == "run_tests" and not rollout.process_reward:
-                    continue
-                if call.name == "replace" and not rollout.edit_reward:
+                if not rewarded.get(call.name, False):
                     continue
                 if i + 1 < len(turns):
                     following = turns[i + 1].segments[0].token_ids
