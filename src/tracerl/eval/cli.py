@@ -27,6 +27,8 @@ def register(subparsers: Any) -> None:
     ev.add_argument("--max-new-tokens-per-turn", type=int, default=128, help="tokens per action")
     ev.add_argument("--max-seconds", type=float, default=None, help="wall seconds per attempt")
     ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--device", default="auto",
+                    help="cpu, cuda, cuda:N or auto (a GPU where torch sees one)")
     ev.add_argument("--inject-faults", type=float, default=0.0, metavar="RATE",
                     help="re-run with tools failing at this rate; report both")
     ev.add_argument("--judge", default=None, metavar="FILE",
@@ -89,7 +91,7 @@ def _eval(args: argparse.Namespace) -> int:
     judge_data = _read_config(args.judge, "--judge")
     judge = None if judge_data is None else JudgeConfig.from_dict(judge_data)
     training_judge = _read_config(args.training_judge, "--training-judge")
-    policy = load_policy(args.policy)
+    policy = load_policy(args.policy, device=args.device)
     try:
         sandbox = Sandbox(unsafe=args.unsafe_no_sandbox)
     except SandboxUnavailableError as error:

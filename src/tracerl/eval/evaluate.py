@@ -81,9 +81,18 @@ class EvalSettings:
                               max_new_tokens=self.max_new_tokens_per_turn, seed=self.seed)
 
 
-def load_policy(path: str | Path) -> Any:
-    """Load a checkpoint directory as an ``HFPolicy``; ValueError says why it cannot."""
+def load_policy(path: str | Path, device: str = "cpu") -> Any:
+    """Load a checkpoint directory as an ``HFPolicy`` on ``device`` (``cpu``, ``cuda``,
+    ``cuda:N`` or ``auto``); ValueError says why it cannot."""
+    import torch
+
     from tracerl.rollout.policy_hf import HFPolicy
+    from tracerl.train.config import resolve_device
+
+    try:
+        where = resolve_device(device)
+    except ValueError as error:
+        raise ValueError(str(error).replace("model.device", "--device", 1)) from None
 
     directory = Path(path)
     if not directory.is_dir():
@@ -99,6 +108,7 @@ def load_policy(path: str | Path) -> Any:
         raise ValueError(f"--policy {str(directory)!r}: could not be loaded: "
                          f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
                          ) from None
+    torch.nn.Module.to(model, where)  # in place: a module moves its own parameters
     policy = HFPolicy(model, tokenizer)
     # How the checkpoint was trained to see its conversations (None: not by tracerl).
     policy.conversation = read_conversation(directory)  # type: ignore[attr-defined]

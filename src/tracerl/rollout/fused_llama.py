@@ -523,7 +523,7 @@ class FusedLlamaDecoder:
         """Make the caller's new row ``j`` a copy of old row ``index[j]`` (repeats allowed):
         prompts shared by several rows are prefilled once and their cache copied."""
         internal = self.inverse[index]  # old internal row of each new caller row
-        lengths = torch.tensor(self.lengths, dtype=torch.long)[internal]
+        lengths = torch.tensor(self.lengths, dtype=torch.long, device=internal.device)[internal]
         order = torch.sort(lengths, stable=True).indices  # new internal row -> new caller row
         source = internal[order]
         kv = self.kv.new_zeros((*self.kv.shape[:2], source.numel(), *self.kv.shape[3:]))

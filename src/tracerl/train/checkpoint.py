@@ -101,7 +101,9 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 def load_trainer_file(directory: Path) -> tuple[TrainerState, dict[str, Any]]:
     """The trainer state and the rest of ``trainer.pt`` (optimizer, critic, generators)."""
-    payload = torch.load(directory / "trainer.pt", weights_only=False)
+    # On the CPU first: a run saved on a GPU resumes anywhere (the optimizer moves its state
+    # to the parameters' device when it loads it).
+    payload = torch.load(directory / "trainer.pt", weights_only=False, map_location="cpu")
     state = TrainerState(**payload.pop("state"))
     return state, payload
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
+import torch
 import yaml
 
 Estimator = Literal["grpo", "rloo", "gae", "gigpo"]
@@ -53,6 +54,10 @@ class ModelConfig:
     """Tiny only: width of the feed-forward layer."""
     max_positions: int = 1024
     """Tiny only: context length."""
+    device: str = "auto"
+    """Where the policy, critic and reference live and train: ``cpu``, ``cuda``, ``cuda:N``
+    or ``auto`` (the first GPU when torch sees one, else the CPU). Batches are assembled on the
+    CPU and each micro-batch is moved to this device; checkpoints are the same either way."""
 
 
 @dataclass(frozen=True)
@@ -566,6 +571,29 @@ def dump_config(config: TrainConfig) -> str:
 # -- validation -------------------------------------------------------------------------------
 
 
+def resolve_device(name: str) -> torch.device:
+    """``model.device`` as a torch device; ValueError if it is not one this machine has."""
+    text = name.strip().lower()
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"model.device: expected cpu, cuda, cuda:N or auto, got {name!r}"
+                         ) from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"model.device: expected cpu, cuda, cuda:N or auto, got {name!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"model.device: {name!r} asked for, but this torch sees no CUDA device "
+                         "(use cpu, or auto to take a GPU only where there is one)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"model.device: {name!r} asked for, but torch sees "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def validate(config: TrainConfig) -> None:
     """Cross-field rules, checked once before any compute; ValueError names the fields."""
     r, a, c, u = config.rollout, config.algorithm, config.critic, config.update
@@ -597,6 +625,7 @@ def validate(config: TrainConfig) -> None:
     if not config.sft.observation_weight >= 0.0:
         raise ValueError(f"sft.observation_weight: must be >= 0, "
                          f"got {config.sft.observation_weight}")
+    resolve_device(config.model.device)
     if config.max_generated_tokens is not None and config.max_generated_tokens < 1:
         raise ValueError(f"max_generated_tokens: must be >= 1 or null, "
                          f"got {config.max_generated_tokens}")

@@ -486,6 +486,7 @@ def supervised_finetune(model: torch.nn.Module, sequences: Sequence[tuple[list[i
         raise ValueError(f"observation_weight: must be >= 0, got {observation_weight!r}")
     generator = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
+    device = next(model.parameters()).device  # batches are padded on the CPU, then moved
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     warmup = max(1, steps // 20)
 
@@ -510,7 +511,7 @@ def supervised_finetune(model: torch.nn.Module, sequences: Sequence[tuple[list[i
         picked = [sequences[int(i)] if redraw is None else redraw(int(i), rng)
                   for i in order[cursor:cursor + batch_size]]
         cursor += batch_size
-        ids, attention, action = _pad(picked, pad_id)
+        ids, attention, action = (t.to(device) for t in _pad(picked, pad_id))
         logits = model(input_ids=ids, attention_mask=attention).logits
         logprobs = logprobs_from_logits(logits[:, :-1], ids[:, 1:], processing="raw")
         weights = loss_weights(action[:, 1:], "token_mean").float()

@@ -54,7 +54,7 @@ from tracerl.train.augment import (
     module_name,
     renamed_copies,
 )
-from tracerl.train.config import TrainConfig, config_changes, dump_config
+from tracerl.train.config import TrainConfig, config_changes, dump_config, resolve_device
 from tracerl.train.metrics import MetricsWriter, StepProgress
 from tracerl.train.sft import (
     demonstration_texts,
@@ -169,7 +169,8 @@ class Trainer:
         else:
             model, tokenizer = self._build_model()
         self.tokenizer = tokenizer
-        self.actor = ActorCritic(model, config.critic, config.rollout.temperature)
+        self.device = resolve_device(config.model.device)
+        self.actor = ActorCritic(model, config.critic, config.rollout.temperature).to(self.device)
         self.policy = HFPolicy(model, tokenizer, max_batch_size=config.rollout.concurrency)
         self.optimizer = make_adamw(
             [{"params": self.actor.policy_parameters(), "lr": config.update.lr},
@@ -619,7 +620,7 @@ class Trainer:
             model.requires_grad_(False)
             self.reference = ActorCritic(model, dataclasses.replace(self.config.critic,
                                                                     kind="none"),
-                                         self.config.rollout.temperature)
+                                         self.config.rollout.temperature).to(self.device)
         return self.reference
 
     def _critic_report(self, batch: PackedBatch, rows: RowBatch,

@@ -85,6 +85,11 @@ class RowBatch:
                     picked[name] = value[:, lo:hi]
         return RowBatch(**picked)  # type: ignore[arg-type]
 
+    def to(self, device: torch.device) -> RowBatch:
+        """The same rows on ``device`` (no copy where they already are)."""
+        return RowBatch(**{name: (None if value is None else value.to(device))  # type: ignore[arg-type]
+                           for name, value in self._tensors().items()})
+
     def _tensors(self) -> dict[str, torch.Tensor | None]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
@@ -143,6 +148,11 @@ class ActorCritic(torch.nn.Module):
     def has_critic(self) -> bool:
         """Whether values are computed."""
         return self.value_head is not None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the policy's weights are (micro-batches are moved there)."""
+        return next(self.policy.parameters()).device
 
     def policy_parameters(self) -> list[torch.nn.Parameter]:
         """Parameters of the policy (the trunk included when the critic shares it)."""
@@ -228,7 +238,8 @@ class ActorCritic(torch.nn.Module):
             raise ValueError("state_values: this model has no critic")
         if input_ids.shape[1] == 0:
             return torch.zeros(input_ids.shape[0])
-        attention = attention_mask.long()
+        device = self.device
+        input_ids, attention = input_ids.to(device), attention_mask.to(device).long()
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         if self.critic_backbone is not None:
             hidden = self.critic_backbone(input_ids=input_ids, attention_mask=attention,
@@ -239,10 +250,10 @@ class ActorCritic(torch.nn.Module):
                                  ).hidden_states[-1]
         values = self.value_head(hidden).squeeze(-1)
         # The last real token of each row (left or right padding).
-        index = torch.arange(attention.shape[1]).expand_as(attention)
+        index = torch.arange(attention.shape[1], device=device).expand_as(attention)
         last = torch.where(attention.bool(), index, torch.full_like(index, -1)).max(-1).values
         picked = values.gather(1, last.clamp(min=0)[:, None]).squeeze(1)
-        return torch.where(last >= 0, picked, torch.zeros_like(picked))
+        return torch.where(last >= 0, picked, torch.zeros_like(picked)).float().cpu()
 
 
 @torch.no_grad()
@@ -263,19 +274,20 @@ def freeze_old(model: ActorCritic, batch: RowBatch, micro_batch_rows: int,
     try:
         for start in range(0, batch.rows, micro_batch_rows):
             rows = order[start:start + micro_batch_rows]
-            part = batch.select(rows)
+            part = batch.select(rows).to(model.device)
             width = part.input_ids.shape[1]
             lo, hi = _column_span(batch.attention_mask[rows])
             logprobs, vals, _ = model.evaluate(part.input_ids, part.attention_mask,
                                                need_values=model.has_critic,
                                                needed=part.action_mask)
-            old[rows, lo:hi] = logprobs.float()
+            old[rows, lo:hi] = logprobs.float().cpu()
             if values is not None and vals is not None:
-                values[rows, lo:hi] = vals.float()
+                values[rows, lo:hi] = vals.float().cpu()
             if ref is not None and reference is not None:
-                ref_lp, _, _ = reference.evaluate(part.input_ids, part.attention_mask,
-                                                  needed=part.action_mask)
-                ref[rows, lo:hi] = ref_lp.float()
+                on_ref = part.to(reference.device)
+                ref_lp, _, _ = reference.evaluate(on_ref.input_ids, on_ref.attention_mask,
+                                                  needed=on_ref.action_mask)
+                ref[rows, lo:hi] = ref_lp.float().cpu()
             assert hi - lo == width
     finally:
         model.train(was_training)
@@ -373,10 +385,10 @@ def minibatch_step(model: ActorCritic, optimizer: torch.optim.Optimizer, batch: 
     objective = 0.0
     for start in range(0, len(rows), config.micro_batch_rows):
         index = rows[start:start + config.micro_batch_rows]
-        part = batch.select(index)
+        part = batch.select(index).to(model.device)
         lo, hi = _column_span(batch.attention_mask[index])
         loss, metrics = token_loss(model, part, config, critic)
-        weighted = (weights[index, lo:hi] * loss).sum()
+        weighted = (weights[index, lo:hi].to(loss.device) * loss).sum()
         weighted.backward()
         objective += float(weighted.detach())
         count = float(part.action_mask.sum())
