@@ -17,7 +17,8 @@ def _train(args: argparse.Namespace) -> int:
         print(f"{args.config}: ok")
         return 0
     summary = Trainer(config, log=print).run()
-    print(json.dumps({k: v for k, v in summary.items() if k != "phase_seconds"}, indent=1))
+    if summary:  # under torchrun, ranks other than 0 return none
+        print(json.dumps({k: v for k, v in summary.items() if k != "phase_seconds"}, indent=1))
     return 0
 
 

@@ -8,6 +8,10 @@ and the optimizer. Attempts go to the trace store as they finish; a checkpoint a
 records what the step did, so a killed run restarts from the last checkpoint, reuses the
 complete groups the store already holds for the step in progress, and neither repeats nor
 loses an update.
+
+Under torchrun, rank 0 runs this loop and the other ranks only share each update
+(:mod:`tracerl.train.ranks`); ``model.device`` says where the weights live, while batches,
+advantages and accounting stay on the CPU.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from tracerl.rollout.collector import Collector, CollectorConfig
 from tracerl.rollout.compaction import CompactionConfig
 from tracerl.trace import Attempt, PackedBatch, Role, TraceStore, Turn, pack, read_attempts
 from tracerl.train import checkpoint as ckpt
+from tracerl.train import ranks
 from tracerl.train.algorithms import (
     AdvantageInputs,
     compute_advantages,
@@ -101,14 +106,17 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Run (or resume) the whole recipe; returns the summary written to ``summary.json``."""
         self.setup()
+        if not self.lead:  # another torchrun rank: it only shares the updates (train/ranks.py)
+            return self.follow()
         if self.config.sft.enabled and not (self.run_dir / "sft" / "DONE").is_file():
             with self.phase("sft"):
                 self.warm_start()
+        ranks.sync_parameters(self.actor, self.world_size)
         before = self.evaluate_once("before")
         with StepProgress(self.config.steps, enabled=self.config.progress,
                           done=self.state.step) as progress:
-            while (self.state.step < self.config.steps and self.time_left_for_step()
-                   and self.tokens_left_for_step()):
+            while ranks.share(self.state.step < self.config.steps and self.time_left_for_step()
+                              and self.tokens_left_for_step(), self.world_size, self.device):
                 step_started = time.perf_counter()
                 with self.phase("collect"):
                     attempts, collected, collect_metrics = self.collect(self.state.step)
@@ -119,8 +127,11 @@ class Trainer:
                 if batch is not None:  # else every group was uniform: nothing to learn from
                     with self.phase("advantages"):
                         rows, advantage_metrics = self.advantages(batch)
+                ranks.share(None if batch is None else (rows, batch.attempt_index),
+                            self.world_size, self.device)
+                if batch is not None:
                     with self.phase("update"):
-                        update_metrics = self.update(rows, batch)
+                        update_metrics = self.update(rows, batch.attempt_index)
                 metrics = {**collect_metrics, **verify_metrics, **advantage_metrics,
                            **update_metrics}
                 if self.config.eval.every and (self.state.step + 1) % self.config.eval.every == 0:
@@ -132,6 +143,18 @@ class Trainer:
                                  f"{step_seconds:.0f}s/step")
         after = self.evaluate_once("after")
         return self.write_summary(before, after)
+
+    def follow(self) -> dict[str, Any]:
+        """The loop of a rank other than 0: take rank 0's weights, then for each step its
+        frozen rows, and compute this rank's share of each update. Returns {}."""
+        ranks.sync_parameters(self.actor, self.world_size)
+        while ranks.share(False, self.world_size, self.device):
+            shared = ranks.share(None, self.world_size, self.device)
+            if shared is not None:
+                rows, attempt_index = shared
+                self.update(rows, attempt_index)
+            self.state.step += 1
+        return {}
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -151,8 +174,12 @@ class Trainer:
         random.seed(config.seed)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._check_config_file()
+        self.rank, self.world_size, self.device = ranks.start(resolve_device(config.model.device))
+        self.lead = self.rank == 0
+        """Rank 0 (the only rank without torchrun) collects, evaluates and writes the run."""
+        if self.lead:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._check_config_file()
         loaded = self._load_tasks("train")
         cut = len(loaded) - config.tasks.rl_count
         self.train_tasks = self._with_copies(loaded[:cut])
@@ -169,7 +196,6 @@ class Trainer:
         else:
             model, tokenizer = self._build_model()
         self.tokenizer = tokenizer
-        self.device = resolve_device(config.model.device)
         self.actor = ActorCritic(model, config.critic, config.rollout.temperature).to(self.device)
         self.policy = HFPolicy(model, tokenizer, max_batch_size=config.rollout.concurrency)
         self.optimizer = make_adamw(
@@ -186,8 +212,9 @@ class Trainer:
             ckpt.set_rng_state(extra["rng"])
         self.policy.policy_version = self.state.policy_version
         self.reference: ActorCritic | None = None
-        self.store = TraceStore(self.run_dir / "traces", fsync=False)
-        self.metrics = MetricsWriter(self.run_dir, tensorboard=config.tensorboard)
+        if self.lead:
+            self.store = TraceStore(self.run_dir / "traces", fsync=False)
+            self.metrics = MetricsWriter(self.run_dir, tensorboard=config.tensorboard)
 
     def _check_config_file(self) -> None:
         path = self.run_dir / "config.yaml"
@@ -646,11 +673,13 @@ class Trainer:
 
     # -- update ---------------------------------------------------------------------------------
 
-    def update(self, rows: RowBatch, batch: PackedBatch) -> dict[str, Any]:
-        """Epochs of minibatch PPO on the frozen batch; bumps the policy version."""
+    def update(self, rows: RowBatch, attempt_index: torch.Tensor) -> dict[str, Any]:
+        """Epochs of minibatch PPO on the frozen rows (``attempt_index``: the attempt of each
+        row); bumps the policy version. With several ranks each computes its share of rows."""
         started = time.perf_counter()
-        metrics = ppo_update(self.actor, self.optimizer, rows, batch.attempt_index,
-                             self.config.update, self.config.critic, self.generator)
+        metrics = ppo_update(self.actor, self.optimizer, rows, attempt_index,
+                             self.config.update, self.config.critic, self.generator,
+                             rank=self.rank, world_size=self.world_size)
         self.state.policy_version += 1
         self.policy.policy_version = self.state.policy_version
         grouped: dict[str, dict[str, float]] = defaultdict(dict)
@@ -658,8 +687,8 @@ class Trainer:
             section, _, key = name.partition("/")
             grouped[section][key or "value"] = value
         grouped["time"]["train_seconds"] = time.perf_counter() - started
-        grouped["tokens"]["action"] = float(batch.action_mask.sum())
-        grouped["tokens"]["total"] = float(batch.attention_mask.sum())
+        grouped["tokens"]["action"] = float(rows.action_mask.sum())
+        grouped["tokens"]["total"] = float(rows.attention_mask.sum())
         return dict(grouped)
 
     def finish_step(self, metrics: dict[str, Any], step_seconds: float) -> None:
@@ -841,9 +870,10 @@ class Trainer:
         return [low, high]
 
     def close(self) -> None:
-        """Seal the trace store and close the metrics files."""
-        self.store.close()
-        self.metrics.close()
+        """Seal the trace store and close the metrics files (rank 0 holds them)."""
+        if self.lead:
+            self.store.close()
+            self.metrics.close()
 
 
 def segmentation_report(batch: PackedBatch, mode: Any, constant: float | None

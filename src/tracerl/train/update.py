@@ -401,6 +401,10 @@ def minibatch_step(model: ActorCritic, optimizer: torch.optim.Optimizer, batch: 
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
             dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+        # The loss is reported whole; the per-token metrics stay this rank's own rows'.
+        whole = torch.tensor([objective], dtype=torch.float64, device=model.device)
+        dist.all_reduce(whole, op=dist.ReduceOp.SUM)
+        objective = float(whole)
     if config.grad_clip is not None:  # returns the norm before clipping
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))
     else:
