@@ -115,6 +115,34 @@ def test_positive_nll_adds_minus_log_pi_on_positive_advantage_tokens_only() -> N
         float(positive.sum() / batch.action_mask.sum()))
 
 
+def test_entropy_at_the_action_tokens_only_equals_the_whole_distributions() -> None:
+    """The fused forward computes the output head (and so the entropy) only at the action
+    tokens; the transformers forward computes it everywhere. Same entropies and gradients."""
+    from tracerl.train.update import token_loss
+
+    config, critic = UpdateConfig(entropy_coef=0.3), CriticConfig()
+    sparse = make_model()
+    dense = copy.deepcopy(sparse)
+    dense.fused = False
+    batch = freeze_old(sparse, make_batch(), micro_batch_rows=6)
+    mask = batch.action_mask
+    results = []
+    for model in (sparse, dense):
+        _, _, entropies = model.evaluate(batch.input_ids, batch.attention_mask,
+                                         need_entropy=True, needed=mask)
+        assert entropies is not None
+        loss, metrics = token_loss(model, batch, config, critic)
+        (loss * mask).sum().backward()
+        results.append((entropies, metrics["entropy/mean"],
+                        torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (e_sparse, m_sparse, g_sparse), (e_dense, m_dense, g_dense) = results
+    assert torch.allclose(e_sparse[mask], e_dense[mask], atol=1e-6, rtol=0)
+    assert bool((e_dense[mask] > 0).all())
+    assert m_sparse == pytest.approx(m_dense, abs=1e-6)
+    assert m_sparse == pytest.approx(float(e_dense[mask].detach().mean()), abs=1e-6)
+    assert torch.allclose(g_sparse, g_dense, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_padding_never_changes_the_loss(side: str) -> None:
     config, critic = UpdateConfig(micro_batch_rows=2), CriticConfig(kind="value_head")

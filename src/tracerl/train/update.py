@@ -171,20 +171,21 @@ class ActorCritic(torch.nn.Module):
                  need_values: bool = False, need_entropy: bool = False,
                  needed: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Per-position logprobs (B, T), values (B, T) and the shifted logits for entropy.
+        """Per-position logprobs (B, T), values (B, T) and entropies (B, T).
 
         ``logprobs[b, t]`` is the log-probability of token t given tokens < t; ``values[b, t]``
-        is the critic's value of that same state (the context before token t). ``needed``
-        (B, T) bool: the positions whose logprobs the caller reads (the action tokens); the
-        others may come back 0, and on the fused path the output head then runs on those
-        positions only (without an entropy term, which reads whole distributions anyway).
+        is the critic's value of that same state (the context before token t);
+        ``entropies[b, t]`` the entropy of the distribution token t was drawn from (with
+        ``need_entropy``, else None). ``needed`` (B, T) bool: the positions the caller reads
+        (the action tokens); the others may come back 0, and on the fused path the output head
+        then runs on those positions only.
         """
         attention = attention_mask.long()
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         shared = need_values and self.critic_kind == "value_head"
         last_hidden: torch.Tensor | None = None
         fused = self._use_fused()
-        sparse = fused and needed is not None and not need_entropy
+        sparse = fused and needed is not None
         if fused:
             logits, last_hidden = fused_sequence_forward(self.policy, input_ids, attention,
                                                          positions, head=not sparse, check=False)
@@ -200,12 +201,15 @@ class ActorCritic(torch.nn.Module):
             rows, width = targets.shape
             flat = torch.nonzero(targets.reshape(-1)).squeeze(1)
             states = last_hidden[:, :-1].reshape(rows * width, -1).index_select(0, flat)
-            values_at = logprobs_from_logits(fused_head(self.policy, states),  # (N, V) logits
-                                             input_ids[:, 1:].reshape(-1)[flat],
+            head = fused_head(self.policy, states)  # (N, V) logits
+            values_at = logprobs_from_logits(head, input_ids[:, 1:].reshape(-1)[flat],
                                              temperature=self.temperature,
                                              processing="temperature")
             logprobs = values_at.new_zeros(rows * width).index_add(0, flat, values_at)
             logprobs = logprobs.view(rows, width)
+            if need_entropy:  # only where the caller reads it, like the logprobs
+                at, _ = entropy((head / self.temperature)[None], torch.ones_like(flat)[None])
+                entropies = at.new_zeros(rows * width).index_add(0, flat, at[0]).view(rows, width)
         else:
             assert logits is not None
             logprobs = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:],
@@ -224,12 +228,15 @@ class ActorCritic(torch.nn.Module):
             state_values = self.value_head(hidden).squeeze(-1)  # (B, T): value after token t
             values = torch.cat([state_values.new_zeros(state_values.shape[0], 1),
                                 state_values[:, :-1]], dim=1)
-        shifted = None
-        if need_entropy:
+        if need_entropy and not sparse:
             assert logits is not None
             scaled = logits[:, :-1] / self.temperature
-            shifted = torch.cat([scaled.new_zeros(scaled.shape[0], 1, scaled.shape[2]), scaled], 1)
-        return logprobs, values, shifted
+            entropies, _ = entropy(scaled, torch.ones(scaled.shape[:2], dtype=torch.bool,
+                                                      device=scaled.device))
+        if need_entropy:
+            entropies = torch.cat([entropies.new_zeros(entropies.shape[0], 1), entropies], dim=1)
+            return logprobs, values, entropies
+        return logprobs, values, None
 
     @torch.no_grad()
     def state_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -321,7 +328,7 @@ def token_loss(model: ActorCritic, part: RowBatch, config: UpdateConfig, critic:
         raise ValueError("old_logprobs: not frozen; only an update of one optimizer step "
                          f"(epochs 1, minibatches 1; got {config.epochs}, {config.minibatches})"
                          " may take them from its own forward: run freeze_old first")
-    logprobs, values, logits = model.evaluate(
+    logprobs, values, entropies = model.evaluate(
         part.input_ids, part.attention_mask, need_values=model.has_critic,
         need_entropy=config.entropy_coef != 0, needed=mask)
     if part.old_logprobs is None:  # one step from the starting weights: these are the old ones
@@ -355,10 +362,11 @@ def token_loss(model: ActorCritic, part: RowBatch, config: UpdateConfig, critic:
                                      config.kl_clamp)
         loss = loss + config.kl_coef * kl
         metrics.update(kl_metrics)
-    if logits is not None:
-        ent, ent_metrics = entropy(logits, mask)
-        loss = loss - config.entropy_coef * ent
-        metrics.update(ent_metrics)
+    if entropies is not None:
+        maskf = mask.to(entropies.dtype)
+        loss = loss - config.entropy_coef * entropies * maskf
+        if bool(mask.any()):
+            metrics["entropy/mean"] = float((entropies.detach() * maskf).sum() / maskf.sum())
     if values is not None:
         assert part.returns is not None and part.old_values is not None
         vloss, v_metrics = value_loss(values, part.old_values, part.returns, mask,
