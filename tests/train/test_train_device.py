@@ -4,6 +4,7 @@ update and the same sampling arithmetic as on the CPU (the CUDA tests skip witho
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tracerl.train.config import CriticConfig, UpdateConfig, config_from_dict, resolve_device
 from tracerl.train.update import ActorCritic, RowBatch, freeze_old, ppo_update
+
+sys.path.insert(0, str(Path(__file__).parent))
+import train_rows
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device")
@@ -64,27 +68,9 @@ def make_actor(critic: str = "none") -> ActorCritic:
     return actor
 
 
-def make_batch(rows: int = 8, width: int = 24) -> tuple[RowBatch, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.zeros(rows, width, dtype=torch.long)
-    attention = torch.zeros(rows, width, dtype=torch.long)
-    action = torch.zeros(rows, width, dtype=torch.bool)
-    advantages = torch.zeros(rows, width)
-    behavior = torch.zeros(rows, width)
-    returns = torch.zeros(rows, width)
-    for b in range(rows):
-        n = int(torch.randint(8, width + 1, (1,), generator=generator))
-        act = torch.rand(n, generator=generator) < 0.6
-        act[0], act[-1] = False, True
-        ids[b, :n] = torch.randint(1, VOCAB, (n,), generator=generator)
-        attention[b, :n] = 1
-        action[b, :n] = act
-        advantages[b, :n] = torch.randn(n, generator=generator) * act
-        behavior[b, :n] = -torch.rand(n, generator=generator) * 3 * act
-        returns[b, :n] = torch.rand(n, generator=generator) * act
-    batch = RowBatch(ids, attention, action, advantages, behavior,
-                     torch.tensor([b % 4 for b in range(rows)]), returns=returns)
-    return batch, torch.arange(rows) // 2  # two rows per attempt
+def make_batch() -> tuple[RowBatch, torch.Tensor]:
+    """Eight rows, two per attempt."""
+    return train_rows.make_batch(rows=8, width=24, critic=True), torch.arange(8) // 2
 
 
 def test_row_batch_to_keeps_every_field() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tracerl.train.config import CriticConfig, UpdateConfig
 from tracerl.train.update import ActorCritic, RowBatch, freeze_old, minibatch_step
 
-VOCAB = 50
+sys.path.insert(0, str(Path(__file__).parent))
+from train_rows import VOCAB, make_batch
 
 
 def make_model(critic: str = "none") -> ActorCritic:
@@ -28,36 +30,6 @@ def make_model(critic: str = "none") -> ActorCritic:
     if actor.value_head is not None:
         torch.nn.init.normal_(actor.value_head.weight, std=0.1)
     return actor
-
-
-def make_batch(rows: int = 6, width: int = 20, side: str = "right", extra_pad: int = 0,
-               critic: bool = False) -> RowBatch:
-    generator = torch.Generator().manual_seed(1)
-    lengths = torch.randint(6, width + 1, (rows,), generator=generator)
-    total = width + extra_pad
-    ids = torch.zeros(rows, total, dtype=torch.long)
-    attention = torch.zeros(rows, total, dtype=torch.long)
-    action = torch.zeros(rows, total, dtype=torch.bool)
-    advantages = torch.zeros(rows, total)
-    behavior = torch.zeros(rows, total)
-    returns = torch.zeros(rows, total)
-    for b in range(rows):
-        n = int(lengths[b])
-        tokens = torch.randint(1, VOCAB, (n,), generator=generator)
-        act = torch.rand(n, generator=generator) < 0.6
-        act[0] = False
-        act[-1] = True
-        adv = torch.randn(n, generator=generator)
-        beh = -torch.rand(n, generator=generator) * 3
-        ret = torch.rand(n, generator=generator)
-        cols = slice(0, n) if side == "right" else slice(total - n, total)
-        ids[b, cols], attention[b, cols], action[b, cols] = tokens, 1, act
-        advantages[b, cols] = adv * act
-        behavior[b, cols] = beh * act
-        returns[b, cols] = ret * act
-    return RowBatch(ids, attention, action, advantages.double(), behavior.double(),
-                    torch.tensor([b % 3 for b in range(rows)]),
-                    returns=returns.double() if critic else None)
 
 
 def step(model: ActorCritic, batch: RowBatch, config: UpdateConfig, critic: CriticConfig,
