@@ -130,6 +130,25 @@ def test_micro_batches_on_the_gpu_give_the_full_batch_update(no_tf32: None) -> N
 
 
 @needs_cuda
+def test_one_nccl_rank_gives_the_undistributed_update(tmp_path: Path) -> None:
+    """The update's all-reduce on CUDA gradients (NCCL) changes nothing with one rank."""
+    import torch.distributed as dist
+
+    batch, attempts = make_batch()
+    plain = make_actor("value_head").to(torch.device("cuda"))
+    ranked = copy.deepcopy(plain)
+    _update(plain, batch, attempts, micro=3)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0,
+                            world_size=1)
+    try:
+        _update(ranked, batch, attempts, micro=3)
+    finally:
+        dist.destroy_process_group()
+    for (name, a), b in zip(plain.named_parameters(), ranked.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6), name
+
+
+@needs_cuda
 def test_critic_values_of_whole_sequences_come_back_on_the_cpu() -> None:
     batch, _ = make_batch()
     cpu = make_actor("value_head")

@@ -89,10 +89,7 @@ def load_policy(path: str | Path, device: str = "cpu") -> Any:
     from tracerl.rollout.policy_hf import HFPolicy
     from tracerl.train.config import resolve_device
 
-    try:
-        where = resolve_device(device)
-    except ValueError as error:
-        raise ValueError(str(error).replace("model.device", "--device", 1)) from None
+    where = resolve_device(device, field="--device")
 
     directory = Path(path)
     if not directory.is_dir():
