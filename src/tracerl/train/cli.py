@@ -35,8 +35,34 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if summary["demo_targets"]["met"] or not args.strict else 1
 
 
+def _train_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tracerl.train.checkpoint import latest_checkpoint
+    from tracerl.train.run_eval import average_spec, ema_spec, evaluate_run, step_spec
+
+    run_dir = Path(args.run_dir)
+    specs = [step_spec(step) for step in args.step]
+    specs += [average_spec(text) for text in args.average]
+    for text in args.ema:
+        decay, _, last = text.partition("@")
+        try:
+            value = float(decay)
+            if last:
+                final = int(last)
+            else:
+                latest = latest_checkpoint(run_dir)
+                final = 0 if latest is None else int(latest.name.split("-")[1])
+        except ValueError:
+            raise ValueError(f"--ema: expected DECAY or DECAY@LAST (e.g. 0.8@17), got {text!r}"
+                             ) from None
+        specs.append(ema_spec(value, final))
+    evaluate_run(run_dir, specs, args.out, args.overrides)
+    return 0
+
+
 def register(subparsers: Any) -> None:
-    """Add ``train``, ``train-options`` and ``demo``."""
+    """Add ``train``, ``train-options``, ``train-eval`` and ``demo``."""
     train = subparsers.add_parser(
         "train", help="train a policy from a YAML recipe (see configs/)",
         description="Run a training recipe. Overrides are dotted keys: update.lr=3e-4 "
@@ -49,6 +75,26 @@ def register(subparsers: Any) -> None:
     options = subparsers.add_parser("train-options",
                                     help="list every training config key with its help")
     options.set_defaults(func=_options)
+    evaluate = subparsers.add_parser(
+        "train-eval", help="evaluate a run's checkpoints (or averaged weights) with the run's "
+                           "own held-out evaluation",
+        description="Evaluate checkpoints of a run exactly as its before/after evaluation did "
+                    "(same tasks, budget, temperature and seeds). Step 0 is the warm start. "
+                    "Results: OUT/evaluations.jsonl. KEY=VALUE overrides change the "
+                    "evaluation (e.g. rollout.temperature=0.7).")
+    evaluate.add_argument("run_dir", help="the run's directory (holds config.yaml)")
+    evaluate.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                          help="evaluation overrides")
+    evaluate.add_argument("--step", type=int, action="append", default=[],
+                          help="a checkpoint by its step count (repeatable; 0: the warm start)")
+    evaluate.add_argument("--average", action="append", default=[], metavar="FIRST-LAST",
+                          help="the uniform mean of the weights of steps FIRST..LAST")
+    evaluate.add_argument("--ema", action="append", default=[], metavar="DECAY[@LAST]",
+                          help="an exponential moving average of the weights from the warm "
+                               "start through step LAST (default: the last checkpoint)")
+    evaluate.add_argument("--out", default=None,
+                          help="output directory (default RUN_DIR/checkpoint_eval)")
+    evaluate.set_defaults(func=_train_eval)
     demo = subparsers.add_parser(
         "demo", help="SFT then multi-turn GRPO on the built-in suite (2 CPU cores, "
                            "about 15 minutes), judged on held-out tasks")

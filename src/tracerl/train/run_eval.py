@@ -1,0 +1,162 @@
+"""Evaluate a run's checkpoints (or an average of their weights) exactly as the run did.
+
+``tracerl train-eval RUN_DIR --step 12 --step 17 --average 12-17`` reads the run's own
+``config.yaml`` and runs its held-out evaluation (the same tasks, budget, temperature and
+sampling seeds as the before/after evaluation) on each requested policy: the last checkpoint
+evaluated this way reproduces the run's ``eval_after_*.json``. Step 0 is the warm start
+(``RUN_DIR/sft``). It shows how held-out success moves from step to step, which one final
+number cannot, and whether averaging weights smooths that walk. Results go to
+``OUT/evaluations.jsonl`` (one line per policy) and ``OUT/eval_<label>_*.json``; the run's
+own files are never touched. ``KEY=VALUE`` overrides change the evaluation (e.g.
+``rollout.temperature=0.7`` evaluates at another temperature: then it is no longer the run's
+evaluation, and the output says which overrides were used).
+
+A run keeps only ``keep_checkpoints`` checkpoints (2 by default): set it higher
+(``keep_checkpoints=100``) on a run whose walk you want to read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracerl.train.checkpoint import CHECKPOINTS_DIR
+
+_RANGE = re.compile(r"^(\d+)-(\d+)$")
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """One policy to evaluate: a weighted mean of checkpoints' weights (one checkpoint: 1.0)."""
+
+    label: str
+    weights: tuple[tuple[int, float], ...]
+    """(step, weight) pairs; the weights sum to 1. Step 0 is the warm start."""
+
+
+def step_spec(step: int) -> PolicySpec:
+    """The checkpoint after ``step`` RL steps (0: the warm start)."""
+    if step < 0:
+        raise ValueError(f"--step: must be >= 0, got {step}")
+    return PolicySpec(f"step{step:05d}", ((step, 1.0),))
+
+
+def average_spec(text: str) -> PolicySpec:
+    """``FIRST-LAST``: the uniform mean of the checkpoints FIRST..LAST (both included)."""
+    match = _RANGE.match(text.strip())
+    if match is None:
+        raise ValueError(f"--average: expected FIRST-LAST (e.g. 12-17), got {text!r}")
+    first, last = int(match[1]), int(match[2])
+    if first > last:
+        raise ValueError(f"--average: FIRST must be <= LAST, got {text!r}")
+    count = last - first + 1
+    return PolicySpec(f"avg{first:05d}-{last:05d}",
+                      tuple((s, 1.0 / count) for s in range(first, last + 1)))
+
+
+def ema_spec(decay: float, last: int) -> PolicySpec:
+    """An exponential moving average of the weights, started at the warm start and updated
+    after every step 1..``last``: ``w <- decay * w + (1 - decay) * w_step``."""
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"--ema: the decay must be in [0, 1), got {decay}")
+    if last < 1:
+        raise ValueError(f"--ema: needs at least one RL step, the run has {last}")
+    pairs = [(0, decay ** last)]
+    pairs += [(s, (1.0 - decay) * decay ** (last - s)) for s in range(1, last + 1)]
+    return PolicySpec(f"ema{decay:g}-{last:05d}", tuple(pairs))
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """Where the policy after ``step`` RL steps is (step 0: ``sft``)."""
+    path = run_dir / "sft" if step == 0 else run_dir / CHECKPOINTS_DIR / f"step-{step:06d}"
+    if not (path / "model.safetensors").is_file():
+        if step == 0:
+            raise ValueError(f"step 0: no warm start at {path} (the run had no SFT phase)")
+        kept = sorted(p.name for p in (run_dir / CHECKPOINTS_DIR).glob("step-*"))
+        raise ValueError(f"step {step}: no policy at {path} (the run kept {kept or 'none'}; "
+                         "a run keeps `keep_checkpoints` of them)")
+    return path
+
+
+def mean_weights(run_dir: Path, spec: PolicySpec) -> dict[str, torch.Tensor]:
+    """The weighted mean of the checkpoints' tensors, accumulated in float64."""
+    from safetensors.torch import load_file
+
+    total: dict[str, torch.Tensor] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for step, weight in spec.weights:
+        tensors = load_file(str(checkpoint_dir(run_dir, step) / "model.safetensors"))
+        if total and set(tensors) != set(total):
+            raise ValueError(f"step {step}: its tensors differ from the other checkpoints'")
+        for name, tensor in tensors.items():
+            dtypes.setdefault(name, tensor.dtype)
+            term = weight * tensor.double()
+            total[name] = total[name] + term if name in total else term
+    return {name: tensor.to(dtypes[name]) for name, tensor in total.items()}
+
+
+def evaluate_run(run_dir: Path, specs: Sequence[PolicySpec], out: Path | None = None,
+                 overrides: Sequence[str] = (), log: Any = print) -> list[dict[str, Any]]:
+    """Evaluate each policy of ``specs`` with the run's held-out evaluation; returns (and
+    appends to ``OUT/evaluations.jsonl``) one record per policy."""
+    from tracerl.train.config import load_config
+    from tracerl.train.trainer import Trainer
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ValueError(f"run_dir: {run_dir} holds no config.yaml (not a training run)")
+    if not specs:
+        raise ValueError("nothing to evaluate: give --step, --average or --ema")
+    out = Path(out) if out is not None else run_dir / "checkpoint_eval"
+    if out.resolve() == run_dir.resolve():
+        raise ValueError("--out: must differ from the run's directory")
+    first = checkpoint_dir(run_dir, spec_steps(specs)[0])
+    for step in spec_steps(specs):  # refuse a missing checkpoint before any compute
+        checkpoint_dir(run_dir, step)
+    config = load_config(run_dir / "config.yaml", [
+        *overrides, f"run_dir={out}", f"model.path={first}", "sft.enabled=false",
+        "progress=false", "tensorboard=false"])
+    trainer = Trainer(config, log=log)
+    trainer.setup()
+    model = trainer.actor.policy
+    records = []
+    try:
+        for spec in specs:
+            state = mean_weights(run_dir, spec)
+            result = model.load_state_dict(state, strict=False)
+            tied = {name for name in result.missing_keys if name.endswith("lm_head.weight")}
+            if result.unexpected_keys or set(result.missing_keys) - tied:
+                raise ValueError(f"{spec.label}: the checkpoint does not fit the run's model "
+                                 f"(missing {result.missing_keys}, unexpected "
+                                 f"{result.unexpected_keys})")
+            evaluated = trainer.evaluate(spec.label)
+            record: dict[str, Any] = {"label": spec.label, "steps": [s for s, _ in spec.weights],
+                                      "overrides": list(overrides)}
+            for name, summary in evaluated.items():
+                record[name] = {"success": summary["success"], "ci95": summary["ci95"],
+                                "pass_at_k": summary["pass_at_k"]}
+            records.append(record)
+            with (out / "evaluations.jsonl").open("a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+            greedy = record.get("greedy", {}).get("success")
+            log(f"{spec.label}: sampled {record['sampled']['success']:.3f}"
+                + (f", greedy {greedy:.3f}" if greedy is not None else ""))
+    finally:
+        trainer.close()
+    return records
+
+
+def spec_steps(specs: Sequence[PolicySpec]) -> list[int]:
+    """Every step the specs read, in first-use order."""
+    seen: list[int] = []
+    for spec in specs:
+        for step, _ in spec.weights:
+            if step not in seen:
+                seen.append(step)
+    return seen
