@@ -18,6 +18,7 @@ from tracerl.train.run_eval import (
     ema_spec,
     evaluate_run,
     mean_weights,
+    parse_ema,
     step_spec,
 )
 from tracerl.train.trainer import Trainer
@@ -84,6 +85,8 @@ def test_averaged_weights_are_the_weighted_mean(run_dir: Path) -> None:
         expected = 0.25 * sft[name].double() + 0.25 * one[name].double() + 0.5 * two[name].double()
         torch.testing.assert_close(ema[name].double(), expected, rtol=0, atol=1e-7)
     assert sum(w for _, w in ema_spec(0.9, 17).weights) == pytest.approx(1.0, abs=1e-12)
+    assert parse_ema("0.5", run_dir) == ema_spec(0.5, 2)  # through the newest checkpoint
+    assert parse_ema("0.5@1", run_dir) == ema_spec(0.5, 1)
 
 
 def test_bad_requests_are_refused_with_the_argument_named(run_dir: Path, tmp_path: Path) -> None:
@@ -95,6 +98,8 @@ def test_bad_requests_are_refused_with_the_argument_named(run_dir: Path, tmp_pat
         average_spec("5")
     with pytest.raises(ValueError, match=r"--ema: the decay must be in \[0, 1\)"):
         ema_spec(1.0, 3)
+    with pytest.raises(ValueError, match="--ema: expected DECAY or DECAY@LAST"):
+        parse_ema("0.8@last", run_dir)
     with pytest.raises(ValueError, match=r"run_dir: .* holds no config\.yaml"):
         evaluate_run(tmp_path, [step_spec(0)], tmp_path / "y", log=lambda *_: None)
     with pytest.raises(ValueError, match="--out: must differ"):

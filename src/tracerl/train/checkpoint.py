@@ -62,14 +62,28 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    """The directory of the checkpoint after ``step`` RL steps (whether or not it exists)."""
+    return Path(run_dir) / CHECKPOINTS_DIR / f"step-{step:06d}"
+
+
+def kept_steps(run_dir: str | Path) -> list[int]:
+    """The steps of the complete checkpoints a run holds, ascending."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir()
+                  if (m := _NAME.match(p.name)) and (p / "trainer.pt").is_file())
+
+
 def save_checkpoint(run_dir: str | Path, state: TrainerState, model: Any, tokenizer: Any,
                     extra: dict[str, Any], files: dict[str, str] | None = None) -> Path:
     """Write checkpoint ``state.step`` atomically; returns its directory. ``files``: more
     text files to put in it (name -> content)."""
-    root = Path(run_dir) / CHECKPOINTS_DIR
+    final = checkpoint_path(run_dir, state.step)
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{state.step:06d}"
-    tmp = root / f".step-{state.step:06d}.tmp"
+    tmp = root / f".{final.name}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
     model.save_pretrained(tmp)
@@ -91,12 +105,8 @@ def save_checkpoint(run_dir: str | Path, state: TrainerState, model: Any, tokeni
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The complete checkpoint with the most steps, or None."""
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return None
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _NAME.match(p.name)) and (p / "trainer.pt").is_file()]
-    return max(found)[1] if found else None
+    steps = kept_steps(run_dir)
+    return checkpoint_path(run_dir, steps[-1]) if steps else None
 
 
 def load_trainer_file(directory: Path) -> tuple[TrainerState, dict[str, Any]]:

@@ -38,25 +38,12 @@ def _demo(args: argparse.Namespace) -> int:
 def _train_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from tracerl.train.checkpoint import latest_checkpoint
-    from tracerl.train.run_eval import average_spec, ema_spec, evaluate_run, step_spec
+    from tracerl.train.run_eval import average_spec, evaluate_run, parse_ema, step_spec
 
     run_dir = Path(args.run_dir)
     specs = [step_spec(step) for step in args.step]
     specs += [average_spec(text) for text in args.average]
-    for text in args.ema:
-        decay, _, last = text.partition("@")
-        try:
-            value = float(decay)
-            if last:
-                final = int(last)
-            else:
-                latest = latest_checkpoint(run_dir)
-                final = 0 if latest is None else int(latest.name.split("-")[1])
-        except ValueError:
-            raise ValueError(f"--ema: expected DECAY or DECAY@LAST (e.g. 0.8@17), got {text!r}"
-                             ) from None
-        specs.append(ema_spec(value, final))
+    specs += [parse_ema(text, run_dir) for text in args.ema]
     evaluate_run(run_dir, specs, args.out, args.overrides)
     return 0
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tracerl.train.checkpoint import CHECKPOINTS_DIR
+from tracerl.train.checkpoint import checkpoint_path, kept_steps
 
 _RANGE = re.compile(r"^(\d+)-(\d+)$")
 
@@ -60,6 +60,18 @@ def average_spec(text: str) -> PolicySpec:
                       tuple((s, 1.0 / count) for s in range(first, last + 1)))
 
 
+def parse_ema(text: str, run_dir: Path) -> PolicySpec:
+    """``DECAY`` or ``DECAY@LAST`` (LAST defaults to the run's newest checkpoint)."""
+    decay, _, last = text.partition("@")
+    try:
+        value = float(decay)
+        steps = [int(last)] if last else kept_steps(run_dir)
+    except ValueError:
+        raise ValueError(f"--ema: expected DECAY or DECAY@LAST (e.g. 0.8@17), got {text!r}"
+                         ) from None
+    return ema_spec(value, steps[-1] if steps else 0)
+
+
 def ema_spec(decay: float, last: int) -> PolicySpec:
     """An exponential moving average of the weights, started at the warm start and updated
     after every step 1..``last``: ``w <- decay * w + (1 - decay) * w_step``."""
@@ -74,13 +86,13 @@ def ema_spec(decay: float, last: int) -> PolicySpec:
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     """Where the policy after ``step`` RL steps is (step 0: ``sft``)."""
-    path = run_dir / "sft" if step == 0 else run_dir / CHECKPOINTS_DIR / f"step-{step:06d}"
+    path = run_dir / "sft" if step == 0 else checkpoint_path(run_dir, step)
     if not (path / "model.safetensors").is_file():
         if step == 0:
             raise ValueError(f"step 0: no warm start at {path} (the run had no SFT phase)")
-        kept = sorted(p.name for p in (run_dir / CHECKPOINTS_DIR).glob("step-*"))
-        raise ValueError(f"step {step}: no policy at {path} (the run kept {kept or 'none'}; "
-                         "a run keeps `keep_checkpoints` of them)")
+        raise ValueError(f"step {step}: no policy at {path} (the run kept steps "
+                         f"{kept_steps(run_dir) or 'none'}; a run keeps `keep_checkpoints` "
+                         "of them)")
     return path
 
 
@@ -116,11 +128,10 @@ def evaluate_run(run_dir: Path, specs: Sequence[PolicySpec], out: Path | None = 
     out = Path(out) if out is not None else run_dir / "checkpoint_eval"
     if out.resolve() == run_dir.resolve():
         raise ValueError("--out: must differ from the run's directory")
-    first = checkpoint_dir(run_dir, spec_steps(specs)[0])
-    for step in spec_steps(specs):  # refuse a missing checkpoint before any compute
-        checkpoint_dir(run_dir, step)
+    # Every checkpoint is found before any compute; the first also gives the model's shape.
+    found = [checkpoint_dir(run_dir, step) for step in spec_steps(specs)]
     config = load_config(run_dir / "config.yaml", [
-        *overrides, f"run_dir={out}", f"model.path={first}", "sft.enabled=false",
+        *overrides, f"run_dir={out}", f"model.path={found[0]}", "sft.enabled=false",
         "progress=false", "tensorboard=false"])
     trainer = Trainer(config, log=log)
     trainer.setup()
