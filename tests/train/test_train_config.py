@@ -49,6 +49,7 @@ def test_overrides_are_typed() -> None:
     ("update=3", "update: got 3, accepts a mapping"),
     ("sft.fresh_locals=1.5", "sft.fresh_locals: must be a probability"),
     ("update.positive_nll_coef=-1", "update.positive_nll_coef: must be >= 0"),
+    ("sft.edit_anchor=-1", "sft.edit_anchor: must be >= 0"),
 ])
 def test_bad_keys_and_types_are_refused_by_name(override: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

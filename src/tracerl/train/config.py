@@ -152,6 +152,11 @@ class SFTConfig:
     """With ``line_edits``: demonstrations rewrite the bug's line (``replace`` with ``line`` and
     ``new``, no ``old``; the tool keeps the indentation). The policy then retypes the line it
     reads, changing it where the bug is, instead of locating and copying a fragment of it."""
+    edit_anchor: int = 0
+    """With ``line_edits``: ``old`` and ``new`` also hold this many words or symbols of the
+    line before the change (``"x >"`` to ``"x >="`` with 1, ``">"`` to ``">="`` with 0), so
+    that the policy locates the change by what precedes it and then copies, instead of
+    producing the changed token with nothing in the line to copy it from."""
     undo: bool = False
     """``recovery`` and ``search`` demonstrations call ``undo`` after a wrong edit's FAIL, so
     every try is made on the line as the task gave it (one text to copy from, the first
@@ -660,6 +665,11 @@ def validate(config: TrainConfig) -> None:
             raise ValueError(f"{name}: must be in [0, 1], got {fraction}")
     if config.sft.whole_line and not config.sft.line_edits:
         raise ValueError("sft.whole_line: rewrites one line, so it needs sft.line_edits: true")
+    if config.sft.edit_anchor < 0:
+        raise ValueError(f"sft.edit_anchor: must be >= 0, got {config.sft.edit_anchor}")
+    if config.sft.edit_anchor and (config.sft.whole_line or not config.sft.line_edits):
+        raise ValueError("sft.edit_anchor: widens line edits' old/new, so it needs "
+                         "sft.line_edits: true and sft.whole_line: false")
     if config.sft.whole_line and config.sft.retry_fraction > 0:
         raise ValueError("sft.retry_fraction: retry demonstrations misremember `old`, which "
                          "whole-line edits (sft.whole_line) never type; set it to 0")

@@ -106,13 +106,18 @@ def _common_ends(ta: list[str], tb: list[str]) -> tuple[int, int]:
     return head, tail
 
 
-def minimal_edit(before: str, after: str) -> tuple[str, str]:
+def minimal_edit(before: str, after: str, anchor: int = 0) -> tuple[str, str]:
     """The shortest (old, new) pair, on token boundaries, that turns the line ``before`` into
     ``after`` with one replacement, ``old`` occurring exactly once in ``before``.
 
     The common prefix and suffix of the two token lists are left out; when that leaves
     ``old`` empty (a pure insertion) or not unique in the line, it grows by a token at a time,
-    left then right."""
+    left then right. ``anchor`` then adds up to that many more words or symbols of the line
+    on the left (never its indentation): ``"x >"`` to ``"x >="`` instead of ``">"`` to
+    ``">="``. ``old`` then starts with text the policy can find by what precedes the change
+    and continues by copying, which is how small transformers copy (induction)."""
+    if anchor < 0:
+        raise ValueError(f"minimal_edit: anchor must be >= 0, got {anchor}")
     if before == after:
         raise ValueError("minimal_edit: the lines are equal; there is nothing to replace")
     ta, tb = _PIECE.findall(before), _PIECE.findall(after)
@@ -124,9 +129,15 @@ def minimal_edit(before: str, after: str) -> tuple[str, str]:
 
     grow_left = True
     while True:
-        old, new = piece()
+        old = piece()[0]
         if old.strip() and before.count(old) == 1:
-            return old, new
+            # lo_a == lo_b throughout: the pieces left of them are the lines' common prefix.
+            for _ in range(anchor):
+                start = lo_a - 1 if lo_a > 0 and ta[lo_a - 1].isspace() else lo_a
+                if start == 0:
+                    break  # only the indentation (or nothing) is left on the left
+                lo_a = lo_b = start - 1
+            return piece()
         if grow_left and lo_a > 0:
             lo_a, lo_b = lo_a - 1, lo_b - 1
         elif hi_a < len(ta):
@@ -227,25 +238,25 @@ def plan_kind(rng: random.Random, wrong_fraction: float, recovery_fraction: floa
 
 
 def _edit(path: str | None, line: int | None, before: str, after: str,
-          old: str | None = None, whole_line: bool = False) -> str:
+          old: str | None = None, whole_line: bool = False, anchor: int = 0) -> str:
     """A ``replace`` call turning ``before`` into ``after``: the whole text, or (with ``line``)
     the minimal change within that line, or (``whole_line``) that line rewritten without
     ``old``, its indentation left to the tool; ``path`` None relies on the open file. ``old``,
     when given, replaces the text to find (a wrong one, for a demonstration of the tool's
-    error)."""
+    error). ``anchor``: see ``minimal_edit``."""
     where: dict[str, object] = {} if path is None else {"path": path}
     if line is None:
         return render_tool_call("replace", {**where, "old": old or before, "new": after})
     if whole_line and old is None:
         return render_tool_call("replace", {**where, "line": line, "new": after.strip()})
-    found, new = minimal_edit(before, after)
+    found, new = minimal_edit(before, after, anchor)
     return render_tool_call("replace", {**where, "line": line, "old": old or found, "new": new})
 
 
 def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random, *,
                        line_edits: bool = False, implicit_path: bool = False,
                        whole_line: bool = False, undo: bool = False,
-                       restart: bool = False) -> Demonstration:
+                       restart: bool = False, edit_anchor: int = 0) -> Demonstration:
     """Play one scripted attempt in ``env`` (a ``CodingEnv``); submit is not stepped (its
     observation is never shown to the policy, and verification would only cost time).
 
@@ -258,7 +269,9 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
     ``undo``: after a wrong edit's FAIL, ``recovery`` and ``search`` call ``undo`` and make the
     next edit on the original line (otherwise they edit the wrong version). ``restart`` (which
     wins over ``undo``): after a wrong try's FAIL they call ``restart``, which ends this context;
-    the demonstration stops there (the environment is not stepped, as for ``submit``)."""
+    the demonstration stops there (the environment is not stepped, as for ``submit``).
+    ``edit_anchor``: line edits' ``old`` and ``new`` start that many words or symbols before
+    the change (``minimal_edit``'s ``anchor``)."""
     if whole_line and not line_edits:
         raise ValueError("play_demonstration: whole_line needs line_edits")
     if line_edits:
@@ -274,11 +287,12 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
     named: str | None = None if implicit_path else path
 
     def edit(before: str, after: str, old: str | None = None) -> str:
-        return _edit(named, line, before, after, old=old, whole_line=whole_line)
+        return _edit(named, line, before, after, old=old, whole_line=whole_line,
+                     anchor=edit_anchor)
 
     actions = [render_tool_call("view_file", {} if named is None else {"path": named})]
     if kind == "retry":
-        found = minimal_edit(bad, good)[0] if line is not None else bad
+        found = minimal_edit(bad, good, edit_anchor)[0] if line is not None else bad
         actions += [edit(bad, good, old=misremembered_old(bad, found, rng)), edit(bad, good),
                     _call("run_tests")]
     elif kind in ("search", "recovery") and restart:
@@ -327,7 +341,8 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                         check_fraction: float, seed: int, line_edits: bool = False,
                         implicit_path: bool = False, retry_fraction: float = 0.0,
                         search_fraction: float = 0.0, whole_line: bool = False,
-                        undo: bool = False, restart: bool = False) -> list[Demonstration]:
+                        undo: bool = False, restart: bool = False,
+                        edit_anchor: int = 0) -> list[Demonstration]:
     """``demos_per_task`` demonstrations of each task, kinds drawn from the fractions."""
     if whole_line and retry_fraction > 0:
         raise ValueError("make_demonstrations: retry demonstrations misremember `old`, which "
@@ -343,7 +358,7 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                 demos.append(play_demonstration(task, kind, env, rng, line_edits=line_edits,
                                                 implicit_path=implicit_path,
                                                 whole_line=whole_line, undo=undo,
-                                                restart=restart))
+                                                restart=restart, edit_anchor=edit_anchor))
     finally:
         env.close()
     return demos

@@ -309,7 +309,7 @@ class Trainer:
                 seed=self.config.seed, line_edits=sft.line_edits,
                 implicit_path=sft.implicit_path, retry_fraction=sft.retry_fraction,
                 search_fraction=sft.search_fraction, whole_line=sft.whole_line,
-                undo=sft.undo, restart=sft.restart)
+                undo=sft.undo, restart=sft.restart, edit_anchor=sft.edit_anchor)
         return self._demos
 
     def chat_tokens(self) -> ChatTokens:
