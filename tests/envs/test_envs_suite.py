@@ -13,7 +13,13 @@ import pytest
 
 from tracerl.envs.sandbox import Sandbox
 from tracerl.envs.suite import FAMILIES, TEMPLATES, Template, generate_split, make_task
-from tracerl.envs.suite.compose import VARIABLE_NAMES, composed_templates, shape_key
+from tracerl.envs.suite.compose import (
+    VARIABLE_NAMES,
+    composed_templates,
+    doc_key,
+    heldout_like,
+    shape_key,
+)
 from tracerl.envs.tasks import Task, validate_tasks
 
 REQUIRED_FAMILIES = {"wrong_operator", "wrong_comparison", "off_by_one", "wrong_constant",
@@ -138,6 +144,7 @@ def test_composed_templates_are_valid_varied_and_not_heldout() -> None:
     for index, template in enumerate(composed):
         assert template.split == "train"
         assert shape_key(template) not in heldout, template
+        assert not heldout_like(template), template
         assert not set(template.names) & (heldout_names | VARIABLE_NAMES), template.names
         assert all(name not in sys.stdlib_module_names for name in template.names)
         task = make_task(template, random.Random(index), f"composed-{index}")
@@ -147,6 +154,39 @@ def test_composed_templates_are_valid_varied_and_not_heldout() -> None:
         fixed = {**start, **(task.solution or {})}
         assert not _passes(start, test_path) and not _passes(start, hidden_path), template
         assert _passes(fixed, test_path) and _passes(fixed, hidden_path), template
+
+
+def test_no_train_template_is_a_heldout_one_in_other_names() -> None:
+    # A list named ``items`` once hid "Return the items of items that are at least limit."
+    # (a held-out body in other names) from a docstring compared name by name.
+    heldout = [t for t in TEMPLATES if t.split == "heldout"]
+    train = [t for t in TEMPLATES if t.split == "train"] + list(composed_templates())
+    assert all(heldout_like(t) for t in heldout)
+    assert not [t.doc for t in train if heldout_like(t)]
+    keep_big = next(t for t in heldout if t.names[0] == "keep_big")
+    renamed = dataclasses.replace(keep_big, split="train", params="items, cap",
+                                  body=keep_big.body.replace("xs", "items").replace("limit", "cap"))
+    assert heldout_like(renamed)  # the same code in other names, whatever its docstring
+    leak = Template("wrong_comparison", "train", ("f",), "items, limit",
+                    "Return the items of items that are at least limit.",
+                    "    return [v for v in items if v {B} limit]\n", "<=", "<", "xs_limit")
+    assert doc_key(leak) == doc_key(keep_big)
+    assert heldout_like(leak)
+
+
+def test_composed_comparisons_are_written_both_ways_round() -> None:
+    """For each docstring word of a comparison, the line's operator is not implied by the
+    word: the same word comes with the operator and with its mirror (``n <= k``, ``k >= n``),
+    so the edit's ``old`` has to be read from the line."""
+    mirror = {"<=": ">=", ">=": "<=", "<": ">", ">": "<"}
+    for word, op in (("at most", "<="), ("at least", ">="), ("below", "<"), ("above", ">")):
+        goods = {t.good for t in composed_templates()
+                 if t.family == "wrong_comparison" and f" {word} " in t.doc
+                 and "every item" not in t.doc}
+        assert goods == {op, mirror[op]}, (word, goods)
+    inverted = [t.good for t in composed_templates() if t.family == "inverted_condition"]
+    assert any(g.startswith("{k} ") for g in inverted)
+    assert any(g.endswith(" {k}") for g in inverted)
 
 
 def test_composed_train_split() -> None:

@@ -99,14 +99,17 @@ def test_search_demonstration_tries_wrong_versions_then_the_fix() -> None:
             demo = play_demonstration(task, "search", env, rng, line_edits=True,
                                       implicit_path=True)
             observations = [o for _, o in demo.turns]
-            # view, then (edit OK, test) pairs: FAIL for the wrong versions, PASS for the fix.
+            # view, then (edit OK, test) pairs: FAIL for the wrong versions, PASS for the fix;
+            # a wrong version the visible tests happen to pass is submitted (the demonstrator
+            # cannot tell), so the demonstration always ends at its first PASS.
             pairs = list(zip(observations[1:-1:2], observations[2:-1:2], strict=True))
             assert all(edit == "OK" for edit, _ in pairs)
             assert [test[:4] for _, test in pairs] == ["FAIL"] * (len(pairs) - 1) + ["PASS"]
+            assert parse_tool_call(demo.turns[-1][0]).call.name == "submit"
             tries.append(len(pairs))
     finally:
         env.close()
-    assert set(tries) == {2, 3}  # one or two wrong tries before the fix
+    assert {2, 3} <= set(tries) <= {1, 2, 3}  # mostly one or two wrong tries before the fix
     assert plan_kind(random.Random(0), 0.4, 0.15, 0.3, search_fraction=1.0) == "search"
 
 
@@ -387,6 +390,7 @@ def test_whole_line_demonstrations_rewrite_the_line_and_pass() -> None:
     tasks = generate_split("train", 0, 28, composed=True)
     env = CodingEnv(tasks)
     rng = random.Random(3)
+    passed_wrong = 0
     try:
         for task in tasks:
             _, number, _, good = bug_location(task)
@@ -396,10 +400,13 @@ def test_whole_line_demonstrations_rewrite_the_line_and_pass() -> None:
                 edits = [json.loads(a.split("<tool_call>")[1].split("</tool_call>")[0])
                          for a, _ in demo.turns if '"replace"' in a]
                 assert edits and all(set(e["arguments"]) == {"line", "new"} for e in edits)
-                assert edits[-1]["arguments"] == {"line": number, "new": good.strip()}
+                assert edits[-1]["arguments"]["line"] == number
                 assert demo.turns[-2][1] == "PASS"  # the last test run, before submit
+                # The fix, or a wrong try the visible tests happen to pass (then submitted).
+                passed_wrong += edits[-1]["arguments"]["new"] != good.strip()
     finally:
         env.close()
+    assert passed_wrong <= 2
     with pytest.raises(ValueError, match="whole_line needs line_edits"):
         play_demonstration(tasks[0], "correct", CodingEnv(tasks), rng, whole_line=True)
 
@@ -461,3 +468,29 @@ def test_restart_demonstrations_end_at_the_restart_after_a_fail() -> None:
         assert demo.turns[2][1] is not None and demo.turns[2][1].startswith("FAIL")
         assert demo.turns[-1][1] is None
     assert ended > 30
+
+
+def test_train_seed_redraws_the_train_split_only(tmp_path) -> None:
+    """``tasks.train_seed`` draws other train tasks (and copies) and keeps the held-out split."""
+    from tracerl.train.config import config_from_dict
+    from tracerl.train.trainer import Trainer
+
+    def tasks_of(seed: int | None) -> tuple[list[Task], list[Task]]:
+        config = config_from_dict({
+            "run_dir": str(tmp_path / f"run{seed}"), "threads": 1, "tensorboard": False,
+            "progress": False,
+            "tasks": {"train_count": 6, "renamed_copies": 1, "heldout_count": 3,
+                      "composed_train": True, "train_seed": seed},
+        })
+        trainer = Trainer(config)
+        trainer.setup()
+        return trainer.train_tasks, trainer.heldout_tasks
+
+    default_train, default_heldout = tasks_of(None)
+    zero_train, _ = tasks_of(0)
+    other_train, other_heldout = tasks_of(5)
+    assert zero_train == default_train
+    assert other_heldout == default_heldout
+    assert [t.files for t in other_train[:6]] == [
+        t.files for t in generate_split("train", 5, 6, composed=True)]
+    assert [t.files for t in other_train] != [t.files for t in default_train]

@@ -70,6 +70,10 @@ class TasksConfig:
     """JSON-lines task file for evaluation; None uses the built-in suite's held-out split."""
     suite_seed: int = 0
     """Seed of the built-in suite's generator."""
+    train_seed: int | None = None
+    """Seed of the built-in train split alone (its draws of templates, names and values, and
+    its renamed copies); None: ``suite_seed``. Changing it leaves the held-out split as it is,
+    so runs that differ only in which train tasks they drew can be compared."""
     train_count: int = 128
     """Built-in train tasks to generate (ignored with ``train_file``)."""
     heldout_count: int = 48

@@ -323,8 +323,8 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
             actions.append(_call("run_tests"))
     turns: list[tuple[str, str | None]] = []
     for action in actions:
-        if action in (_call("undo"), _call("restart")) and turns and turns[-1][1] == "PASS":
-            break  # the wrong try passed the visible tests: the demonstrator submits it
+        if turns and turns[-1][1] == "PASS":
+            break  # a wrong try passed the visible tests: the demonstrator submits it
         if action == _call("restart"):
             turns.append((action, None))
             return Demonstration(task.id, kind, str(first), tuple(turns))

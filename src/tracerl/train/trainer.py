@@ -243,12 +243,16 @@ class Trainer:
             return generate_split("heldout", tasks.suite_seed, tasks.heldout_count,
                                   max_turns=turns)
         # A larger count extends a smaller one: the RL-only tasks follow the demonstrated ones.
-        return generate_split("train", tasks.suite_seed, tasks.train_count + tasks.rl_count,
+        return generate_split("train", self._train_seed(), tasks.train_count + tasks.rl_count,
                               composed=tasks.composed_train, max_turns=turns)
+
+    def _train_seed(self) -> int:
+        tasks = self.config.tasks
+        return tasks.suite_seed if tasks.train_seed is None else tasks.train_seed
 
     def _with_copies(self, tasks: list[Task]) -> list[Task]:
         """``tasks`` followed by their renamed copies (``tasks.renamed_copies`` of each)."""
-        copies, seed = self.config.tasks.renamed_copies, self.config.tasks.suite_seed
+        copies, seed = self.config.tasks.renamed_copies, self._train_seed()
         return (renamed_copies(tasks, copies, seed, fresh_locals=self.config.tasks.fresh_locals)
                 if copies else tasks)
 

@@ -170,8 +170,8 @@ TEMPLATES: tuple[Template, ...] = (
     # -- more train templates: a wider train split, so what is learnt is less tied to a few
     #    bodies (the held-out templates above are unchanged) --------------------------------
     _t("wrong_operator", "train", "diff minus_plus", "a, b",
-       "Return a minus b, plus {k}.",
-       "    c = a {B} b\n    return c + {k}\n", "-", "+", "ab"),
+       "Return a plus b, minus {k}.",
+       "    c = a {B} b\n    return c - {k}\n", "+", "-", "ab"),
     _t("wrong_operator", "train", "double_sum twice", "xs",
        "Return twice the sum of xs.",
        "    total = 0\n    for x in xs:\n        total = total + x\n    return total {B} 2\n",
