@@ -10,14 +10,14 @@ an intermediate variable) rather than one body's answer.
 
 The held-out templates stay unseen: a composed template whose correct program equals a
 held-out template's up to the names of variables (``shape_key``), or whose docstring does
-(``doc_key``), is left out (``heldout_like``), and a test checks it. ``composed_templates()`` is deterministic.
+(``doc_key``), is left out (``heldout_like``), and a test checks it.
+``composed_templates()`` is deterministic.
 """
 
 from __future__ import annotations
 
 import builtins
 import functools
-import itertools
 import keyword
 import random
 import re
@@ -34,8 +34,6 @@ STRICT_SWAP: dict[str, str] = {"<=": "<", "<": "<=", ">=": ">", ">": ">="}
 """The comparison bug: strict for non-strict and back."""
 NEGATE: dict[str, str] = {"<=": ">", ">": "<=", ">=": "<", "<": ">="}
 """The comparison that is true exactly when the key is false."""
-FLIP: dict[str, str] = {"<=": ">=", ">=": "<=", "<": ">", ">": "<"}
-"""The comparison that says the same with its operands swapped (``x < k`` is ``k > x``)."""
 INDEX_WORDS: dict[str, str] = {"0": "first", "1": "second", "-1": "last", "-2": "second to last"}
 """List positions and the docstring words for each."""
 INDEX_BUGS: dict[str, tuple[str, ...]] = {"0": ("1", "-1"), "1": ("0", "2"), "-1": ("-2", "0"),
@@ -132,92 +130,6 @@ Shape = tuple[str, str, str, str, str, str, ArgKind]
 """(family, params, doc, body, good, bad, args) of one composed template."""
 
 
-def _side(left: str, right: str, flip: bool, slot: str = "{B}") -> str:
-    """``left SLOT right``, or with ``flip`` the operands the other way round."""
-    return f"{right} {slot} {left}" if flip else f"{left} {slot} {right}"
-
-
-def _comparison_shapes(rng: random.Random, flip: bool) -> Iterator[Shape]:
-    """The ``wrong_comparison`` shapes; with ``flip`` each comparison is written the other way
-    round (``k >= n`` for ``n <= k``, ``limit < x`` for ``x > limit``)."""
-
-    def tally(what: str, word: str, right: str, pool: tuple[str, ...], add_item: bool) -> Shape:
-        """A loop that counts (or sums) the items of a list that pass a comparison."""
-        xs, lim, x, v = rng.choice(LISTS), rng.choice(LIMITS), rng.choice(ITEMS), rng.choice(pool)
-        right = FLIP[right] if flip else right
-        return ("wrong_comparison", f"{xs}, {lim}", f"{what} {xs} that are {word} {lim}.",
-                f"    {v} = 0\n    for {x} in {xs}:\n        if {_side(x, lim, flip)}:\n"
-                f"            {v} = {v} + {x if add_item else 1}\n    return {v}\n",
-                right, STRICT_SWAP[right], "xs_limit")
-
-    for c, word in CMPS.items():
-        good = FLIP[c] if flip else c
-        bad = STRICT_SWAP[good]
-        n = rng.choice(SINGLES)
-        yield ("wrong_comparison", n, f"Return True when {n} is {word} {{k}}.",
-               f"    return {_side(n, '{k}', flip)}\n", good, bad, "n")
-        n = rng.choice(SINGLES)
-        yield ("wrong_comparison", n, f"Return {n} when {n} is {word} {{k}}, else 0.",
-               f"    if {_side(n, '{k}', flip)}:\n        return {n}\n    return 0\n",
-               good, bad, "n")
-        for yes, no in rng.sample(WORD_PAIRS, 2):
-            n = rng.choice(SINGLES)
-            yield ("wrong_comparison", n, f"Return '{yes}' when {n} is {word} {{k}}, else '{no}'.",
-                   f"    if {_side(n, '{k}', flip)}:\n        return '{yes}'\n    return '{no}'\n",
-                   good, bad, "n")
-        for _ in range(2):
-            yield tally("Count the items of", word, c, COUNTERS, False)
-            xs, lim, x = rng.choice(LISTS), rng.choice(LIMITS), rng.choice(ITEMS)
-            yield ("wrong_comparison", f"{xs}, {lim}",
-                   f"Return the items of {xs} that are {word} {lim}.",
-                   f"    return [{x} for {x} in {xs} if {_side(x, lim, flip)}]\n", good, bad,
-                   "xs_limit")
-            yield tally("Return the sum of the items of", word, c, ACCS, True)
-            xs, lim, x = rng.choice(LISTS), rng.choice(LIMITS), rng.choice(ITEMS)
-            inverse = FLIP[NEGATE[c]] if flip else NEGATE[c]
-            yield ("wrong_comparison", f"{xs}, {lim}",
-                   f"Return True when every item of {xs} is {word} {lim}.",
-                   f"    for {x} in {xs}:\n        if {_side(x, lim, flip)}:\n"
-                   "            return False\n    return True\n", inverse, STRICT_SWAP[inverse],
-                   "xs_limit")
-
-
-def _inverted_comparison_shapes(rng: random.Random, flip: bool) -> Iterator[Shape]:
-    """The ``inverted_condition`` shapes whose condition is a comparison, ``flip`` as in
-    ``_comparison_shapes``."""
-    for c, word in CMPS.items():
-        right, negated = (FLIP[c], FLIP[NEGATE[c]]) if flip else (c, NEGATE[c])
-        for bad_style in ("not", "negate"):
-            n = rng.choice(SINGLES)
-            good = _side(n, "{k}", flip, right)
-            bad = f"not {good}" if bad_style == "not" else _side(n, "{k}", flip, negated)
-            for yes, no in rng.sample(WORD_PAIRS, 2):
-                yield ("inverted_condition", n,
-                       f"Return '{yes}' when {n} is {word} {{k}}, else '{no}'.",
-                       f"    if {{B}}:\n        return '{yes}'\n    return '{no}'\n", good, bad, "n")
-            op, w = rng.choice(list(OPS.items()))
-            yield ("inverted_condition", n, f"Return {n} {w} {{k}} when {n} is {word} {{k}}, else 0.",
-                   f"    if {{B}}:\n        return {n} {op} {{k}}\n    return 0\n", good, bad, "n")
-            xs, lim, x, cnt = (rng.choice(LISTS), rng.choice(LIMITS), rng.choice(ITEMS),
-                               rng.choice(COUNTERS))
-            good = _side(x, lim, flip, right)
-            bad = f"not {good}" if bad_style == "not" else _side(x, lim, flip, negated)
-            yield ("inverted_condition", f"{xs}, {lim}",
-                   f"Count the items of {xs} that are {word} {lim}.",
-                   f"    {cnt} = 0\n    for {x} in {xs}:\n        if {{B}}:\n"
-                   f"            {cnt} = {cnt} + 1\n    return {cnt}\n", good, bad, "xs_limit")
-            yield ("inverted_condition", f"{xs}, {lim}",
-                   f"Return the items of {xs} that are {word} {lim}.",
-                   f"    return [{x} for {x} in {xs} if {{B}}]\n", good, bad, "xs_limit")
-
-
-def _mirrored_shapes(rng: random.Random) -> Iterator[Shape]:
-    """Every comparison shape written the other way round (drawn after all the others, from
-    their own ``rng``, so that adding them left every other composed template as it was)."""
-    yield from _comparison_shapes(rng, flip=True)
-    yield from _inverted_comparison_shapes(rng, flip=True)
-
-
 def _shapes(rng: random.Random) -> Iterator[Shape]:
     """(family, params, doc, body, good, bad, args) of every composed template, names drawn
     from ``rng``."""
@@ -227,6 +139,15 @@ def _shapes(rng: random.Random) -> Iterator[Shape]:
 
     def local(*taken: str) -> str:
         return rng.choice([n for n in LOCALS if n not in taken])
+
+    def tally(what: str, word: str, right: str, wrong: str, pool: tuple[str, ...],
+              add_item: bool) -> Shape:
+        """A loop that counts (or sums) the items of a list that pass a comparison."""
+        xs, lim, x, v = rng.choice(LISTS), rng.choice(LIMITS), rng.choice(ITEMS), rng.choice(pool)
+        return ("wrong_comparison", f"{xs}, {lim}", f"{what} {xs} that are {word} {lim}.",
+                f"    {v} = 0\n    for {x} in {xs}:\n        if {x} {{B}} {lim}:\n"
+                f"            {v} = {v} + {x if add_item else 1}\n    return {v}\n",
+                right, wrong, "xs_limit")
 
     # -- wrong_operator ------------------------------------------------------------------------
     for o1, w1 in OPS.items():
@@ -269,7 +190,32 @@ def _shapes(rng: random.Random) -> Iterator[Shape]:
                        loop + f"        {acc} = {acc} {op} {x}\n    return {acc} {{B}} {{k}}\n",
                        o2, rng.choice([o for o in OPS if o != o2]), "xs")
     # -- wrong_comparison ----------------------------------------------------------------------
-    yield from _comparison_shapes(rng, flip=False)
+    for c, word in CMPS.items():
+        bad = STRICT_SWAP[c]
+        n = rng.choice(SINGLES)
+        yield ("wrong_comparison", n, f"Return True when {n} is {word} {{k}}.",
+               f"    return {n} {{B}} {{k}}\n", c, bad, "n")
+        n = rng.choice(SINGLES)
+        yield ("wrong_comparison", n, f"Return {n} when {n} is {word} {{k}}, else 0.",
+               f"    if {n} {{B}} {{k}}:\n        return {n}\n    return 0\n", c, bad, "n")
+        for yes, no in rng.sample(WORD_PAIRS, 2):
+            n = rng.choice(SINGLES)
+            yield ("wrong_comparison", n, f"Return '{yes}' when {n} is {word} {{k}}, else '{no}'.",
+                   f"    if {n} {{B}} {{k}}:\n        return '{yes}'\n    return '{no}'\n",
+                   c, bad, "n")
+        for _ in range(2):
+            yield tally("Count the items of", word, c, bad, COUNTERS, False)
+            xs, lim, x = rng.choice(LISTS), rng.choice(LIMITS), rng.choice(ITEMS)
+            yield ("wrong_comparison", f"{xs}, {lim}",
+                   f"Return the items of {xs} that are {word} {lim}.",
+                   f"    return [{x} for {x} in {xs} if {x} {{B}} {lim}]\n", c, bad, "xs_limit")
+            yield tally("Return the sum of the items of", word, c, bad, ACCS, True)
+            xs, lim, x = rng.choice(LISTS), rng.choice(LIMITS), rng.choice(ITEMS)
+            inverse = NEGATE[c]
+            yield ("wrong_comparison", f"{xs}, {lim}",
+                   f"Return True when every item of {xs} is {word} {lim}.",
+                   f"    for {x} in {xs}:\n        if {x} {{B}} {lim}:\n            return False\n"
+                   "    return True\n", inverse, STRICT_SWAP[inverse], "xs_limit")
     # -- off_by_one ----------------------------------------------------------------------------
     terms = (("{i}", "the sum of the numbers from <lo> to <n>"),
              ("{i} * {i}", "the sum of the squares of the numbers from <lo> to <n>"),
@@ -389,7 +335,29 @@ def _shapes(rng: random.Random) -> Iterator[Shape]:
                f"    {cnt} = 0\n    for {x} in {xs}:\n        if {x} % 2 == 0:\n"
                f"            {cnt} = {cnt} + 1\n    return {{B}}\n", cnt, x, "xs")
     # -- inverted_condition --------------------------------------------------------------------
-    yield from _inverted_comparison_shapes(rng, flip=False)
+    for c, word in CMPS.items():
+        for bad_style in ("not", "negate"):
+            n = rng.choice(SINGLES)
+            good = f"{n} {c} {{k}}"
+            bad = f"not {good}" if bad_style == "not" else f"{n} {NEGATE[c]} {{k}}"
+            for yes, no in rng.sample(WORD_PAIRS, 2):
+                yield ("inverted_condition", n,
+                       f"Return '{yes}' when {n} is {word} {{k}}, else '{no}'.",
+                       f"    if {{B}}:\n        return '{yes}'\n    return '{no}'\n", good, bad, "n")
+            op, w = rng.choice(list(OPS.items()))
+            yield ("inverted_condition", n, f"Return {n} {w} {{k}} when {n} is {word} {{k}}, else 0.",
+                   f"    if {{B}}:\n        return {n} {op} {{k}}\n    return 0\n", good, bad, "n")
+            xs, lim, x, cnt = (rng.choice(LISTS), rng.choice(LIMITS), rng.choice(ITEMS),
+                               rng.choice(COUNTERS))
+            good = f"{x} {c} {lim}"
+            bad = f"not {good}" if bad_style == "not" else f"{x} {NEGATE[c]} {lim}"
+            yield ("inverted_condition", f"{xs}, {lim}",
+                   f"Count the items of {xs} that are {word} {lim}.",
+                   f"    {cnt} = 0\n    for {x} in {xs}:\n        if {{B}}:\n"
+                   f"            {cnt} = {cnt} + 1\n    return {cnt}\n", good, bad, "xs_limit")
+            yield ("inverted_condition", f"{xs}, {lim}",
+                   f"Return the items of {xs} that are {word} {lim}.",
+                   f"    return [{x} for {x} in {xs} if {{B}}]\n", good, bad, "xs_limit")
     for parity, good_test, bads in (("even", "== 0", ("!= 0", "== 1")),
                                     ("odd", "== 1", ("== 0", "!= 1"))):
         for bad_test in bads:
@@ -443,9 +411,7 @@ def composed_templates() -> tuple[Template, ...]:
     names = [w for w in WORDS if usable_name(w) and w not in taken_names]
     seen: set[tuple[str, str, str]] = set()
     out: list[Template] = []
-    shapes = itertools.chain(_shapes(rng),
-                             _mirrored_shapes(random.Random("tracerl-composed-mirrored")))
-    for family, params, doc, body, good, bad, args in shapes:
+    for family, params, doc, body, good, bad, args in _shapes(rng):
         template = Template(family, "train", tuple(rng.sample(names, 2)), params, doc, body,
                             good, bad, args)
         shape = shape_key(template)
