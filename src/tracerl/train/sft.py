@@ -270,6 +270,8 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
     next edit on the original line (otherwise they edit the wrong version). ``restart`` (which
     wins over ``undo``): after a wrong try's FAIL they call ``restart``, which ends this context;
     the demonstration stops there (the environment is not stepped, as for ``submit``).
+    Every demonstration submits at its first PASS: a wrong try that the visible tests happen
+    to pass is submitted, as a demonstrator who cannot tell would.
     ``edit_anchor``: line edits' ``old`` and ``new`` start that many words or symbols before
     the change (``minimal_edit``'s ``anchor``)."""
     if whole_line and not line_edits:

@@ -70,14 +70,24 @@ def usable_name(name: str) -> bool:
             and name not in sys.stdlib_module_names and not hasattr(builtins, name))
 
 
+def _correct_code(template: Template) -> str:
+    """The parameter list and the body with the correct code in its slot."""
+    return f"({template.params})\n" + template.body.replace("{B}", template.good)
+
+
+def _code_names(code: str) -> list[str]:
+    """The names ``code`` uses, in order of appearance (keywords and builtins left out)."""
+    return [lexeme for lexeme in _LEXEME.findall(code)
+            if (lexeme[0].isalpha() or lexeme[0] == "_") and lexeme not in _RESERVED]
+
+
 def shape_key(template: Template) -> tuple[str, str]:
     """(docstring, correct code) with the template's variable names replaced by ``v0, v1, ...``
     in order of first appearance: two templates with equal keys differ only in names."""
-    code = f"({template.params})\n" + template.body.replace("{B}", template.good)
+    code = _correct_code(template)
     names: dict[str, str] = {}
-    for lexeme in _LEXEME.findall(code):
-        if (lexeme[0].isalpha() or lexeme[0] == "_") and lexeme not in _RESERVED:
-            names.setdefault(lexeme, f"v{len(names)}")
+    for name in _code_names(code):
+        names.setdefault(name, f"v{len(names)}")
 
     def rename(text: str) -> str:
         return " ".join(names.get(lexeme, lexeme) for lexeme in _LEXEME.findall(text))
@@ -92,18 +102,12 @@ def doc_key(template: Template) -> str:
     ``"Return the items of xs that are at least limit."`` both read ``Return the V of V that
     are at least V``. Coarser than ``shape_key``'s docstring on purpose: a word that is also
     a list's name (``items``) must not make a held-out docstring look new."""
-    names = set(VARIABLE_NAMES) | _code_names(template) | _HAND_WRITTEN_NAMES
+    names = set(VARIABLE_NAMES) | set(_code_names(_correct_code(template))) | _HAND_WRITTEN_NAMES
     return " ".join("V" if lexeme in names else lexeme
                     for lexeme in _LEXEME.findall(template.doc) if lexeme not in ",.")
 
 
-def _code_names(template: Template) -> set[str]:
-    code = f"({template.params})\n" + template.body.replace("{B}", template.good)
-    return {lexeme for lexeme in _LEXEME.findall(code)
-            if (lexeme[0].isalpha() or lexeme[0] == "_") and lexeme not in _RESERVED}
-
-
-_HAND_WRITTEN_NAMES = {n for t in TEMPLATES for n in _code_names(t)}
+_HAND_WRITTEN_NAMES = {n for t in TEMPLATES for n in _code_names(_correct_code(t))}
 
 
 def heldout_like(template: Template) -> bool:
