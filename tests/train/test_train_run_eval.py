@@ -18,7 +18,9 @@ from tracerl.train.run_eval import (
     ema_spec,
     evaluate_run,
     mean_weights,
+    mix_spec,
     parse_ema,
+    parse_mix,
     step_spec,
 )
 from tracerl.train.trainer import Trainer
@@ -87,6 +89,12 @@ def test_averaged_weights_are_the_weighted_mean(run_dir: Path) -> None:
     assert sum(w for _, w in ema_spec(0.9, 17).weights) == pytest.approx(1.0, abs=1e-12)
     assert parse_ema("0.5", run_dir) == ema_spec(0.5, 2)  # through the newest checkpoint
     assert parse_ema("0.5@1", run_dir) == ema_spec(0.5, 1)
+    mix = mean_weights(run_dir, mix_spec(0.25, 1))  # 0.75 sft + 0.25 step 1
+    for name in one:
+        expected = 0.75 * sft[name].double() + 0.25 * one[name].double()
+        torch.testing.assert_close(mix[name].double(), expected, rtol=0, atol=1e-7)
+    assert parse_mix("0.5", run_dir) == mix_spec(0.5, 2)
+    assert parse_mix("1@1", run_dir) == mix_spec(1.0, 1)
 
 
 def test_bad_requests_are_refused_with_the_argument_named(run_dir: Path, tmp_path: Path) -> None:
@@ -100,6 +108,12 @@ def test_bad_requests_are_refused_with_the_argument_named(run_dir: Path, tmp_pat
         ema_spec(1.0, 3)
     with pytest.raises(ValueError, match="--ema: expected DECAY or DECAY@LAST"):
         parse_ema("0.8@last", run_dir)
+    with pytest.raises(ValueError, match=r"--mix: ALPHA must be in \[0, 1\]"):
+        mix_spec(1.5, 3)
+    with pytest.raises(ValueError, match="--mix: needs a checkpoint"):
+        mix_spec(0.5, 0)
+    with pytest.raises(ValueError, match="--mix: expected ALPHA or ALPHA@STEP"):
+        parse_mix("half", run_dir)
     with pytest.raises(ValueError, match=r"run_dir: .* holds no config\.yaml"):
         evaluate_run(tmp_path, [step_spec(0)], tmp_path / "y", log=lambda *_: None)
     with pytest.raises(ValueError, match="--out: must differ"):

@@ -38,12 +38,13 @@ def _demo(args: argparse.Namespace) -> int:
 def _train_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from tracerl.train.run_eval import average_spec, evaluate_run, parse_ema, step_spec
+    from tracerl.train.run_eval import average_spec, evaluate_run, parse_ema, parse_mix, step_spec
 
     run_dir = Path(args.run_dir)
     specs = [step_spec(step) for step in args.step]
     specs += [average_spec(text) for text in args.average]
     specs += [parse_ema(text, run_dir) for text in args.ema]
+    specs += [parse_mix(text, run_dir) for text in args.mix]
     evaluate_run(run_dir, specs, args.out, args.overrides)
     return 0
 
@@ -79,6 +80,9 @@ def register(subparsers: Any) -> None:
     evaluate.add_argument("--ema", action="append", default=[], metavar="DECAY[@LAST]",
                           help="an exponential moving average of the weights from the warm "
                                "start through step LAST (default: the last checkpoint)")
+    evaluate.add_argument("--mix", action="append", default=[], metavar="ALPHA[@STEP]",
+                          help="the weights (1 - ALPHA) * warm start + ALPHA * step STEP "
+                               "(default: the last checkpoint)")
     evaluate.add_argument("--out", default=None,
                           help="output directory (default RUN_DIR/checkpoint_eval)")
     evaluate.set_defaults(func=_train_eval)

@@ -1,11 +1,12 @@
 """Evaluate a run's checkpoints (or an average of their weights) exactly as the run did.
 
-``tracerl train-eval RUN_DIR --step 12 --step 17 --average 12-17`` reads the run's own
+``tracerl train-eval RUN_DIR --step 12 --step 17 --average 12-17 --mix 0.5@17`` reads the run's own
 ``config.yaml`` and runs its held-out evaluation (the same tasks, budget, temperature and
 sampling seeds as the before/after evaluation) on each requested policy: the last checkpoint
 evaluated this way reproduces the run's ``eval_after_*.json``. Step 0 is the warm start
 (``RUN_DIR/sft``). It shows how held-out success moves from step to step, which one final
-number cannot, and whether averaging weights smooths that walk. Results go to
+number cannot, whether averaging weights smooths that walk, and how a policy between the
+warm start and an RL checkpoint does (``--mix``). Results go to
 ``OUT/evaluations.jsonl`` (one line per policy) and ``OUT/eval_<label>_*.json``; the run's
 own files are never touched. ``KEY=VALUE`` overrides change the evaluation (e.g.
 ``rollout.temperature=0.7`` evaluates at another temperature: then it is no longer the run's
@@ -84,6 +85,30 @@ def ema_spec(decay: float, last: int) -> PolicySpec:
     return PolicySpec(f"ema{decay:g}-{last:05d}", tuple(pairs))
 
 
+def parse_mix(text: str, run_dir: Path) -> PolicySpec:
+    """``ALPHA`` or ``ALPHA@STEP`` (STEP defaults to the run's newest checkpoint)."""
+    alpha, _, step = text.partition("@")
+    try:
+        value = float(alpha)
+        steps = [int(step)] if step else kept_steps(run_dir)
+    except ValueError:
+        raise ValueError(f"--mix: expected ALPHA or ALPHA@STEP (e.g. 0.5@17), got {text!r}"
+                         ) from None
+    return mix_spec(value, steps[-1] if steps else 0)
+
+
+def mix_spec(alpha: float, step: int) -> PolicySpec:
+    """The warm start's weights moved ``alpha`` of the way to step ``step``'s:
+    ``(1 - alpha) * w_sft + alpha * w_step`` (weight-space interpolation between the
+    fine-tuned start and the RL policy, as WiSE-FT does between a pretrained and a fine-tuned
+    model)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"--mix: ALPHA must be in [0, 1], got {alpha}")
+    if step < 1:
+        raise ValueError(f"--mix: needs a checkpoint after at least one RL step, got {step}")
+    return PolicySpec(f"mix{alpha:g}-{step:05d}", ((0, 1.0 - alpha), (step, alpha)))
+
+
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     """Where the policy after ``step`` RL steps is (step 0: ``sft``)."""
     path = run_dir / "sft" if step == 0 else checkpoint_path(run_dir, step)
@@ -124,7 +149,7 @@ def evaluate_run(run_dir: Path, specs: Sequence[PolicySpec], out: Path | None = 
     if not (run_dir / "config.yaml").is_file():
         raise ValueError(f"run_dir: {run_dir} holds no config.yaml (not a training run)")
     if not specs:
-        raise ValueError("nothing to evaluate: give --step, --average or --ema")
+        raise ValueError("nothing to evaluate: give --step, --average, --ema or --mix")
     out = Path(out) if out is not None else run_dir / "checkpoint_eval"
     if out.resolve() == run_dir.resolve():
         raise ValueError("--out: must differ from the run's directory")
