@@ -61,16 +61,20 @@ def average_spec(text: str) -> PolicySpec:
                       tuple((s, 1.0 / count) for s in range(first, last + 1)))
 
 
+def _value_at_step(text: str, run_dir: Path, option: str, form: str) -> tuple[float, int]:
+    """``VALUE`` or ``VALUE@STEP`` as (value, step); STEP defaults to the run's newest
+    checkpoint (0 when it has none). ``form`` names the two spellings in the error."""
+    value, _, step = text.partition("@")
+    try:
+        steps = [int(step)] if step else kept_steps(run_dir)
+        return float(value), steps[-1] if steps else 0
+    except ValueError:
+        raise ValueError(f"{option}: expected {form}, got {text!r}") from None
+
+
 def parse_ema(text: str, run_dir: Path) -> PolicySpec:
     """``DECAY`` or ``DECAY@LAST`` (LAST defaults to the run's newest checkpoint)."""
-    decay, _, last = text.partition("@")
-    try:
-        value = float(decay)
-        steps = [int(last)] if last else kept_steps(run_dir)
-    except ValueError:
-        raise ValueError(f"--ema: expected DECAY or DECAY@LAST (e.g. 0.8@17), got {text!r}"
-                         ) from None
-    return ema_spec(value, steps[-1] if steps else 0)
+    return ema_spec(*_value_at_step(text, run_dir, "--ema", "DECAY or DECAY@LAST (e.g. 0.8@17)"))
 
 
 def ema_spec(decay: float, last: int) -> PolicySpec:
@@ -87,14 +91,7 @@ def ema_spec(decay: float, last: int) -> PolicySpec:
 
 def parse_mix(text: str, run_dir: Path) -> PolicySpec:
     """``ALPHA`` or ``ALPHA@STEP`` (STEP defaults to the run's newest checkpoint)."""
-    alpha, _, step = text.partition("@")
-    try:
-        value = float(alpha)
-        steps = [int(step)] if step else kept_steps(run_dir)
-    except ValueError:
-        raise ValueError(f"--mix: expected ALPHA or ALPHA@STEP (e.g. 0.5@17), got {text!r}"
-                         ) from None
-    return mix_spec(value, steps[-1] if steps else 0)
+    return mix_spec(*_value_at_step(text, run_dir, "--mix", "ALPHA or ALPHA@STEP (e.g. 0.5@17)"))
 
 
 def mix_spec(alpha: float, step: int) -> PolicySpec:
