@@ -1,7 +1,7 @@
 """Evaluate a run's checkpoints (or an average of their weights) exactly as the run did.
 
-``tracerl train-eval RUN_DIR --step 12 --step 17 --average 12-17 --mix 0.5@17`` reads the run's own
-``config.yaml`` and runs its held-out evaluation (the same tasks, budget, temperature and
+``tracerl train-eval RUN_DIR --step 12 --step 17 --average 12-17 --mix 0.5@17`` reads the
+run's own ``config.yaml`` and runs its held-out evaluation (the same tasks, budget, temperature and
 sampling seeds as the before/after evaluation) on each requested policy: the last checkpoint
 evaluated this way reproduces the run's ``eval_after_*.json``. Step 0 is the warm start
 (``RUN_DIR/sft``). It shows how held-out success moves from step to step, which one final
