@@ -484,6 +484,7 @@ def test_train_seed_redraws_the_train_split_only(tmp_path) -> None:
         })
         trainer = Trainer(config)
         trainer.setup()
+        trainer.close()
         return trainer.train_tasks, trainer.heldout_tasks
 
     default_train, default_heldout = tasks_of(None)

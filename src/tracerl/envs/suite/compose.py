@@ -95,6 +95,10 @@ def shape_key(template: Template) -> tuple[str, str]:
     return rename(template.doc), rename(code)
 
 
+_HAND_WRITTEN_NAMES = {n for t in TEMPLATES for n in _code_names(_correct_code(t))}
+"""Every name the hand-written templates' code uses."""
+
+
 def doc_key(template: Template) -> str:
     """The docstring with every word that could be a variable name (of this template's code,
     of any template's code, or of the composed pools) replaced by ``V`` and with commas and
@@ -105,9 +109,6 @@ def doc_key(template: Template) -> str:
     names = set(VARIABLE_NAMES) | set(_code_names(_correct_code(template))) | _HAND_WRITTEN_NAMES
     return " ".join("V" if lexeme in names else lexeme
                     for lexeme in _LEXEME.findall(template.doc) if lexeme not in ",.")
-
-
-_HAND_WRITTEN_NAMES = {n for t in TEMPLATES for n in _code_names(_correct_code(t))}
 
 
 def heldout_like(template: Template) -> bool:
