@@ -26,7 +26,8 @@ RECIPE = {
                 # are the same in every run, so the two runs can be compared exactly.
                 "concurrency": 1, "env_workers": 1, "show_tool_schemas": False},
     # An entropy bonus moves the weights every step even when all rewards are 0.
-    "update": {"entropy_coef": 0.05, "lr": 0.01, "micro_batch_rows": 2},
+    # The weight average is part of what a restart must continue (update.ema_decay).
+    "update": {"entropy_coef": 0.05, "lr": 0.01, "micro_batch_rows": 2, "ema_decay": 0.5},
     "eval": {"samples_per_task": 1, "greedy": False},
 }
 
@@ -50,10 +51,10 @@ def _recipe(tmp_path: Path, name: str) -> Path:
     return path
 
 
-def _weights(run_dir: Path) -> torch.Tensor:
+def _weights(run_dir: Path, policy: str = "checkpoints/step-000003") -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step-000003")
+    model = AutoModelForCausalLM.from_pretrained(run_dir / policy)
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
@@ -79,6 +80,7 @@ def test_killed_run_resumes_without_repeating_or_losing_an_update(tmp_path: Path
                 (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in records] == [r["policy_version"] for r in straight]
     assert torch.equal(_weights(run_dir), _weights(tmp_path / "straight"))
+    assert torch.equal(_weights(run_dir, "policy-ema"), _weights(tmp_path / "straight", "policy-ema"))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rl_steps"] == 3
     low, high = summary["heldout_gain_ci95"]  # paired by task, from the evaluations' files

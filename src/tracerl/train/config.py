@@ -354,6 +354,14 @@ class UpdateConfig:
     tis_cap: float | None = None
     """Truncated importance sampling: weight tokens by ``min(pi_old / pi_behavior, cap)``;
     None: off."""
+    ema_decay: float | None = None
+    """Keep an exponential moving average of the policy's weights, started at the weights RL
+    starts from (the warm start) and moved after every RL step:
+    ``ema <- decay * ema + (1 - decay) * weights``. The final held-out evaluation and the
+    summary's ``policy_dir`` then use the average (written to ``RUN/policy-ema``); training
+    itself, the checkpoints it resumes from and ``eval.every`` use the raw weights, and each
+    checkpoint carries the average so a resumed run continues it. After ``n`` steps the warm
+    start's share is ``decay ** n``. None: off (the last iterate is the run's policy)."""
 
 
 @dataclass(frozen=True)
@@ -645,6 +653,8 @@ def validate(config: TrainConfig) -> None:
     if not 0.0 <= config.algorithm.negative_scale <= 1.0:
         raise ValueError(f"algorithm.negative_scale: must be in [0, 1], "
                          f"got {config.algorithm.negative_scale}")
+    if u.ema_decay is not None and not 0.0 <= u.ema_decay < 1.0:
+        raise ValueError(f"update.ema_decay: must be in [0, 1) or null, got {u.ema_decay}")
     if config.update.warmup_steps < 0:
         raise ValueError(f"update.warmup_steps: must be >= 0, got {config.update.warmup_steps}")
     if config.tasks.rl_count < 0:

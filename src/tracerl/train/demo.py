@@ -124,5 +124,6 @@ def format_summary(summary: dict[str, Any]) -> str:
         *_behaviour_lines(summary, pct),
         f"  {summary['rl_steps']} RL steps, {summary['wall_seconds']:.0f}s wall, "
         f"{summary['generated_tokens']} tokens generated, {summary['tool_seconds']:.0f}s in tools",
+        f"  RL policy: {summary.get('policy', 'last checkpoint')} ({summary.get('policy_dir')})",
     ]
     return "\n".join(lines)

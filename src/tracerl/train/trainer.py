@@ -72,6 +72,9 @@ from tracerl.train.sft import (
 )
 from tracerl.train.update import ActorCritic, RowBatch, freeze_old, make_adamw, ppo_update
 
+EMA_DIR = "policy-ema"
+"""Where a run with ``update.ema_decay`` writes its averaged policy (under the run directory)."""
+
 Hook = Callable[[str, "Trainer"], None]
 """Called after every phase with its name (``collect``, ``verify``, ``advantages``, ``update``,
 ``evaluate``, ``checkpoint``, ``sft``) and the trainer."""
@@ -112,6 +115,7 @@ class Trainer:
             with self.phase("sft"):
                 self.warm_start()
         ranks.sync_parameters(self.actor, self.world_size)
+        self.start_weight_average()
         before = self.evaluate_once("before")
         with StepProgress(self.config.steps, enabled=self.config.progress,
                           done=self.state.step) as progress:
@@ -141,8 +145,13 @@ class Trainer:
                 self.finish_step(metrics, step_seconds)
                 progress.advance(f"reward {metrics['reward']['mean']:.2f}  "
                                  f"{step_seconds:.0f}s/step")
-        after = self.evaluate_once("after")
-        return self.write_summary(before, after)
+        final = self.final_checkpoint()
+        if self.ema is None:
+            return self.write_summary(before, self.evaluate_once("after"), final)
+        with self.averaged_weights():  # the run's policy is the average (update.ema_decay)
+            policy_dir = self.save_policy(self.run_dir / EMA_DIR)
+            after = self.evaluate_once("after")
+        return self.write_summary(before, after, policy_dir)
 
     def follow(self) -> dict[str, Any]:
         """The loop of a rank other than 0: take rank 0's weights, then for each step its
@@ -203,6 +212,8 @@ class Trainer:
              {"params": self.actor.critic_parameters(), "lr": config.critic.lr}],
             config.update.weight_decay)
         self.generator = torch.Generator().manual_seed(config.seed)
+        self.ema: dict[str, torch.Tensor] | None = None
+        """The moving average of the policy's weights (``update.ema_decay``), on rank 0."""
         if latest is not None:
             self.state, extra = ckpt.load_trainer_file(latest)
             self.optimizer.load_state_dict(extra["optimizer"])
@@ -210,6 +221,8 @@ class Trainer:
                 self.actor.load_critic_state(extra["critic"])
             self.generator.set_state(extra["generator"])
             ckpt.set_rng_state(extra["rng"])
+            if extra.get("ema") is not None and config.update.ema_decay is not None:
+                self.ema = {name: value.to(self.device) for name, value in extra["ema"].items()}
         self.policy.policy_version = self.state.policy_version
         self.reference: ActorCritic | None = None
         if self.lead:
@@ -718,6 +731,7 @@ class Trainer:
                  f"turns {metrics['horizon']['turns']:.1f}, {step_seconds:.0f}s "
                  f"(collect {self.timings['collect']:.0f}s, update "
                  f"{self.timings['update']:.0f}s so far)")
+        self.update_weight_average()
         self.state.step += 1
         last = self.state.step >= self.config.steps or not self.tokens_left_for_step()
         if last or self.state.step % self.config.checkpoint_every == 0:
@@ -728,14 +742,69 @@ class Trainer:
         """Checkpoint the run as it is now."""
         extra = {"optimizer": self.optimizer.state_dict(),
                  "critic": self.actor.critic_state() if self.actor.has_critic else None,
-                 "generator": self.generator.get_state()}
-        rollout = self.config.rollout
-        conversation = conversation_json(tool_schemas_in_prompt=rollout.show_tool_schemas,
-                                         system_prompt=rollout.system_prompt)
+                 "generator": self.generator.get_state(), "ema": self.ema}
         path = ckpt.save_checkpoint(self.run_dir, self.state, self.actor.policy, self.tokenizer,
-                                    extra, files={CONVERSATION_FILE: conversation})
+                                    extra, files={CONVERSATION_FILE: self._conversation()})
         ckpt.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
         return path
+
+    def _conversation(self) -> str:
+        rollout = self.config.rollout
+        return conversation_json(tool_schemas_in_prompt=rollout.show_tool_schemas,
+                                 system_prompt=rollout.system_prompt)
+
+    def final_checkpoint(self) -> Path:
+        """The checkpoint of the last completed step, written now if it is not there yet."""
+        latest = ckpt.latest_checkpoint(self.run_dir)
+        if latest is None or not latest.name.endswith(f"{self.state.step:06d}"):
+            latest = self.save()
+        return latest
+
+    def save_policy(self, directory: Path) -> Path:
+        """The policy's current weights and tokenizer as a loadable directory (no trainer
+        state: not a checkpoint to resume from)."""
+        policy: Any = self.actor.policy  # a transformers model
+        policy.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)
+        (directory / CONVERSATION_FILE).write_text(self._conversation(), encoding="utf-8")
+        return directory
+
+    # -- the weight average (update.ema_decay) -------------------------------------------------
+
+    def start_weight_average(self) -> None:
+        """Start the average at the weights RL starts from, unless a checkpoint brought one."""
+        if self.config.update.ema_decay is None or self.ema is not None:
+            return
+        if self.state.step:
+            self.log(f"update.ema_decay: checkpoint step {self.state.step} has no weight "
+                     "average (the run was started without one); it starts here")
+        self.ema = {name: value.detach().clone()
+                    for name, value in self.actor.policy.named_parameters()}
+
+    @torch.no_grad()
+    def update_weight_average(self) -> None:
+        """``ema <- decay * ema + (1 - decay) * weights``, once per RL step."""
+        if self.ema is None or self.config.update.ema_decay is None:
+            return
+        weight = 1.0 - self.config.update.ema_decay
+        for name, value in self.actor.policy.named_parameters():
+            self.ema[name].lerp_(value.detach(), weight)
+
+    @contextlib.contextmanager
+    def averaged_weights(self) -> Iterator[None]:
+        """The policy holds the averaged weights inside the block, its own ones again after."""
+        assert self.ema is not None
+        parameters = dict(self.actor.policy.named_parameters())
+        own = {name: value.detach().clone() for name, value in parameters.items()}
+        with torch.no_grad():
+            for name, value in parameters.items():
+                value.copy_(self.ema[name])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, value in parameters.items():
+                    value.copy_(own[name])
 
     def time_left_for_step(self) -> bool:
         """Whether another step and the final evaluation fit in ``max_seconds``."""
@@ -807,11 +876,10 @@ class Trainer:
                  + f" ({self.timings[f'evaluate_{label}']:.0f}s)")
         return result
 
-    def write_summary(self, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-        """``summary.json``: held-out success before and after, costs, where the policy is."""
-        latest = ckpt.latest_checkpoint(self.run_dir)
-        if latest is None or not latest.name.endswith(f"{self.state.step:06d}"):
-            latest = self.save()
+    def write_summary(self, before: dict[str, Any], after: dict[str, Any],
+                      policy_dir: Path) -> dict[str, Any]:
+        """``summary.json``: held-out success before and after, costs, where the policy is
+        (``policy_dir``: the one evaluated after training)."""
         greedy = self.config.eval.greedy
         sampled_b, sampled_a = before["sampled"], after["sampled"]
         train_tokens = self.state.totals.get("generated_tokens", 0.0)
@@ -843,7 +911,10 @@ class Trainer:
             "temperature": self.config.rollout.temperature,
             "top_p": self.config.rollout.top_p,
             "top_k": self.config.rollout.top_k,
-            "policy_dir": str(latest),
+            "policy_dir": str(policy_dir),
+            "policy": ("last checkpoint" if self.ema is None
+                       else f"weight average, update.ema_decay {self.config.update.ema_decay}"),
+            "last_checkpoint": str(ckpt.latest_checkpoint(self.run_dir)),
             "sft_dir": str(self.run_dir / "sft") if self.config.sft.enabled else None,
             "rl_steps": self.state.step,
             "wall_seconds": time.perf_counter() - self.started,
