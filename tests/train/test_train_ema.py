@@ -4,10 +4,10 @@ start, evaluates and publishes it as the run's policy, and trains on the raw wei
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from tracerl.eval.evaluate import load_policy
@@ -15,19 +15,8 @@ from tracerl.train import checkpoint as ckpt
 from tracerl.train.config import load_config
 from tracerl.train.trainer import EMA_DIR, Trainer
 
-RECIPE = {
-    "seed": 4, "steps": 2, "threads": 1, "tensorboard": False, "progress": False,
-    "keep_checkpoints": 10,
-    "model": {"vocab_size": 400, "hidden_size": 16, "num_layers": 1, "num_heads": 2,
-              "intermediate_size": 32},
-    "tasks": {"train_count": 4, "heldout_count": 2},
-    "sft": {"enabled": True, "demos_per_task": 1, "steps": 5},
-    "rollout": {"tasks_per_step": 2, "group_size": 2, "max_turns": 2, "max_new_tokens": 6,
-                "concurrency": 2, "env_workers": 1, "show_tool_schemas": False},
-    # An entropy bonus moves the weights every step even when all rewards are 0.
-    "update": {"entropy_coef": 0.05, "lr": 0.01, "micro_batch_rows": 2, "ema_decay": 0.5},
-    "eval": {"samples_per_task": 1, "greedy": False},
-}
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_runs import tiny_recipe
 
 
 def _tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -35,9 +24,9 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def test_the_run_publishes_the_average_and_trains_on_its_own_weights(tmp_path: Path) -> None:
-    recipe = tmp_path / "recipe.yaml"
+    recipe = tiny_recipe(tmp_path, seed=4, sft={"steps": 5},
+                         update={"ema_decay": 0.5}, eval={"samples_per_task": 1, "greedy": False})
     run_dir = tmp_path / "run"
-    recipe.write_text(yaml.safe_dump({**RECIPE, "run_dir": str(run_dir)}))
     trainer = Trainer(load_config(recipe))
     summary = trainer.run()
 

@@ -4,11 +4,11 @@ own evaluations scored, and averaged weights are the weighted mean of the checkp
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from tracerl.train.config import load_config
@@ -25,27 +25,14 @@ from tracerl.train.run_eval import (
 )
 from tracerl.train.trainer import Trainer
 
-RECIPE = {
-    "seed": 5, "steps": 2, "threads": 1, "tensorboard": False, "progress": False,
-    "keep_checkpoints": 10,
-    "model": {"vocab_size": 400, "hidden_size": 16, "num_layers": 1, "num_heads": 2,
-              "intermediate_size": 32},
-    "tasks": {"train_count": 4, "heldout_count": 2},
-    "sft": {"enabled": True, "demos_per_task": 1, "steps": 20},
-    "rollout": {"tasks_per_step": 2, "group_size": 2, "max_turns": 2, "max_new_tokens": 6,
-                "concurrency": 2, "env_workers": 1, "show_tool_schemas": False},
-    # An entropy bonus moves the weights every step even when all rewards are 0.
-    "update": {"entropy_coef": 0.05, "lr": 0.01, "micro_batch_rows": 2},
-    "eval": {"samples_per_task": 2, "greedy": True},
-}
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_runs import tiny_recipe
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("run_eval")
-    recipe = root / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({**RECIPE, "run_dir": str(root / "run")}))
-    Trainer(load_config(recipe)).run()
+    Trainer(load_config(tiny_recipe(root))).run()
     return root / "run"
 
 
