@@ -85,3 +85,35 @@ def test_killed_run_resumes_without_repeating_or_losing_an_update(tmp_path: Path
     assert summary["rl_steps"] == 3
     low, high = summary["heldout_gain_ci95"]  # paired by task, from the evaluations' files
     assert low <= summary["heldout_gain"] <= high
+
+
+def test_a_finished_run_continued_with_more_steps_is_evaluated_again(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_runs import tiny_recipe
+
+    def after() -> dict[str, object]:
+        data: dict[str, object] = json.loads((tmp_path / "run" / "eval_after_sampled.json")
+                                             .read_text(encoding="utf-8"))
+        return data
+
+    Trainer(load_config(tiny_recipe(tmp_path, steps=1, sft={"steps": 5}))).run()
+    assert (after()["rl_steps"], after()["policy"]) == (1, "last checkpoint")
+    before = (tmp_path / "run" / "eval_before_sampled.json").read_text(encoding="utf-8")
+    said: list[str] = []
+    summary = Trainer(load_config(tiny_recipe(tmp_path, steps=2, sft={"steps": 5})),
+                      log=said.append).run()
+    assert summary["rl_steps"] == 2
+    assert after()["rl_steps"] == 2  # not the one-step evaluation reused
+    assert any("evaluation after: the files hold another" in line for line in said)
+    # The new evaluation's attempts are stored, the earlier ones kept beside them.
+    from tracerl.trace import read_attempts
+
+    for name, count in (("sampled", 4), ("greedy", 2)):
+        assert len(read_attempts(tmp_path / "run" / "eval" / f"after-{name}")) == count
+        assert len(read_attempts(tmp_path / "run" / "eval" / f"after-{name}.rl_steps-00001")) == count
+    # The warm start's evaluation is the same run's and is kept.
+    assert (tmp_path / "run" / "eval_before_sampled.json").read_text(encoding="utf-8") == before
+    # Restarted with nothing left to do, the run reuses its evaluation.
+    said.clear()
+    Trainer(load_config(tiny_recipe(tmp_path, steps=2, sft={"steps": 5})), log=said.append).run()
+    assert not any(line.startswith("evaluation") for line in said)

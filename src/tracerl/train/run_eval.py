@@ -168,7 +168,8 @@ def evaluate_run(run_dir: Path, specs: Sequence[PolicySpec], out: Path | None = 
                 raise ValueError(f"{spec.label}: the checkpoint does not fit the run's model "
                                  f"(missing {result.missing_keys}, unexpected "
                                  f"{result.unexpected_keys})")
-            evaluated = trainer.evaluate(spec.label)
+            evaluated = trainer.evaluate(spec.label, policy=spec.label,
+                                         steps=max(step for step, _ in spec.weights))
             record: dict[str, Any] = {"label": spec.label, "steps": [s for s, _ in spec.weights],
                                       "overrides": list(overrides)}
             for name, summary in evaluated.items():

@@ -116,7 +116,7 @@ class Trainer:
                 self.warm_start()
         ranks.sync_parameters(self.actor, self.world_size)
         self.start_weight_average()
-        before = self.evaluate_once("before")
+        before = self.evaluate_once("before", steps=0, policy="warm start")
         with StepProgress(self.config.steps, enabled=self.config.progress,
                           done=self.state.step) as progress:
             while ranks.share(self.state.step < self.config.steps and self.time_left_for_step()
@@ -140,17 +140,20 @@ class Trainer:
                            **update_metrics}
                 if self.config.eval.every and (self.state.step + 1) % self.config.eval.every == 0:
                     with self.phase("evaluate"):
-                        metrics["eval"] = self.evaluate(f"step{self.state.step + 1:05d}")["sampled"]
+                        metrics["eval"] = self.evaluate(f"step{self.state.step + 1:05d}",
+                                                        steps=self.state.step + 1)["sampled"]
                 step_seconds = time.perf_counter() - step_started
                 self.finish_step(metrics, step_seconds)
                 progress.advance(f"reward {metrics['reward']['mean']:.2f}  "
                                  f"{step_seconds:.0f}s/step")
         final = self.final_checkpoint()
+        kind = self.policy_kind()
         if self.ema is None:
-            return self.write_summary(before, self.evaluate_once("after"), final)
+            after = self.evaluate_once("after", steps=self.state.step, policy=kind)
+            return self.write_summary(before, after, final)
         with self.averaged_weights():  # the run's policy is the average (update.ema_decay)
             policy_dir = self.save_policy(self.run_dir / EMA_DIR)
-            after = self.evaluate_once("after")
+            after = self.evaluate_once("after", steps=self.state.step, policy=kind)
         return self.write_summary(before, after, policy_dir)
 
     def follow(self) -> dict[str, Any]:
@@ -831,9 +834,18 @@ class Trainer:
 
     # -- evaluate -------------------------------------------------------------------------------
 
-    def evaluate(self, label: str) -> dict[str, Any]:
+    def policy_kind(self) -> str:
+        """What the run's policy is: its last iterate or the weight average."""
+        if self.ema is None:
+            return "last checkpoint"
+        return f"weight average, update.ema_decay {self.config.update.ema_decay}"
+
+    def evaluate(self, label: str, policy: str = "last checkpoint",
+                 steps: int | None = None) -> dict[str, Any]:
         """Held-out success with a fixed budget: K samples per task at the rollout temperature,
-        and one greedy attempt per task; hidden-test verdicts, task-level bootstrap CIs."""
+        and one greedy attempt per task; hidden-test verdicts, task-level bootstrap CIs. The
+        files record ``policy`` (what the model holds) and ``steps``, the RL steps behind it
+        (default: the steps completed)."""
         from tracerl.eval.behaviour import behaviour
         from tracerl.eval.summary import summarize
 
@@ -853,6 +865,8 @@ class Trainer:
                                 resamples=self.config.eval.bootstrap_resamples)
             summary["wall_seconds"] = result.wall_seconds
             summary["temperature"] = temperature
+            summary["rl_steps"] = self.state.step if steps is None else steps
+            summary["policy"] = policy
             summary["behaviour"] = behaviour(self.policy, result.attempts)
             (self.run_dir / f"eval_{label}_{name}.json").write_text(
                 json.dumps(summary, indent=1), encoding="utf-8")
@@ -861,20 +875,45 @@ class Trainer:
                                                  "behaviour", "per_task")}
         return out
 
-    def evaluate_once(self, label: str) -> dict[str, Any]:
-        """``evaluate`` unless this run already wrote that evaluation (resume)."""
+    def evaluate_once(self, label: str, *, steps: int, policy: str) -> dict[str, Any]:
+        """``evaluate`` unless this run already wrote that evaluation of ``policy`` after
+        ``steps`` RL steps (a run restarted after its last step); a finished run continued
+        with more steps, or another kind of policy, is evaluated again."""
         files = {n: self.run_dir / f"eval_{label}_{n}.json" for n in ("sampled", "greedy")}
         wanted = ["sampled", "greedy"] if self.config.eval.greedy else ["sampled"]
         if all(files[n].is_file() for n in wanted):
-            return {n: json.loads(files[n].read_text(encoding="utf-8")) for n in wanted}
+            found = {n: json.loads(files[n].read_text(encoding="utf-8")) for n in wanted}
+            # Files written before these fields existed are taken as they are.
+            if all(f.get("rl_steps", steps) == steps and f.get("policy", policy) == policy
+                   for f in found.values()):
+                return found
+            self.log(f"evaluation {label}: the files hold another policy or step count; "
+                     "evaluating again (the earlier attempts are kept beside the new ones)")
+            for name, found_file in found.items():
+                self._keep_aside(self.run_dir / "eval" / f"{label}-{name}",
+                                 int(found_file.get("rl_steps", 0)))
         started = time.perf_counter()
         with self.phase("evaluate"):
-            result = self.evaluate(label)
+            result = self.evaluate(label, policy, steps)
         self.timings[f"evaluate_{label}"] = time.perf_counter() - started
         self.log(f"evaluation {label}: sampled {result['sampled']['success']:.3f}"
                  + (f", greedy {result['greedy']['success']:.3f}" if "greedy" in result else "")
                  + f" ({self.timings[f'evaluate_{label}']:.0f}s)")
         return result
+
+    @staticmethod
+    def _keep_aside(store_dir: Path, steps: int) -> None:
+        """Rename an evaluation's trace store so that a new evaluation under the same label
+        writes a store of its own (attempt ids repeat, and a store keeps the first of each)."""
+        if not store_dir.exists():
+            return
+        for copy_number in range(1000):
+            suffix = f".rl_steps-{steps:05d}" + (f".{copy_number}" if copy_number else "")
+            target = store_dir.with_name(store_dir.name + suffix)
+            if not target.exists():
+                store_dir.rename(target)
+                return
+        raise RuntimeError(f"{store_dir}: too many earlier evaluations kept beside it")
 
     def write_summary(self, before: dict[str, Any], after: dict[str, Any],
                       policy_dir: Path) -> dict[str, Any]:
@@ -912,8 +951,7 @@ class Trainer:
             "top_p": self.config.rollout.top_p,
             "top_k": self.config.rollout.top_k,
             "policy_dir": str(policy_dir),
-            "policy": ("last checkpoint" if self.ema is None
-                       else f"weight average, update.ema_decay {self.config.update.ema_decay}"),
+            "policy": self.policy_kind(),
             "last_checkpoint": str(ckpt.latest_checkpoint(self.run_dir)),
             "sft_dir": str(self.run_dir / "sft") if self.config.sft.enabled else None,
             "rl_steps": self.state.step,
