@@ -377,11 +377,7 @@ class Trainer:
             seed=self.config.seed, pad_id=int(self.tokenizer.pad_token_id),
             max_seconds=sft.max_seconds, observation_weight=sft.observation_weight,
             redraw=redraw if sft.fresh_names > 0 or sft.fresh_locals > 0 else None)
-        directory = self.run_dir / "sft"
-        self.actor.policy.save_pretrained(directory)  # type: ignore[operator]
-        self.tokenizer.save_pretrained(directory)
-        write_conversation(directory, tool_schemas_in_prompt=self.config.rollout.show_tool_schemas,
-                           system_prompt=self.config.rollout.system_prompt)
+        directory = self.save_policy(self.run_dir / "sft")
         record = {"steps": result.steps, "seconds": result.seconds,
                   "final_loss": result.final_loss, "demonstrations": dict(kinds),
                   "losses": list(result.losses)}
@@ -769,7 +765,9 @@ class Trainer:
         policy: Any = self.actor.policy  # a transformers model
         policy.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
-        (directory / CONVERSATION_FILE).write_text(self._conversation(), encoding="utf-8")
+        rollout = self.config.rollout
+        write_conversation(directory, tool_schemas_in_prompt=rollout.show_tool_schemas,
+                           system_prompt=rollout.system_prompt)
         return directory
 
     # -- the weight average (update.ema_decay) -------------------------------------------------
