@@ -98,6 +98,11 @@ def test_a_finished_run_continued_with_more_steps_is_evaluated_again(tmp_path: P
 
     Trainer(load_config(tiny_recipe(tmp_path, steps=1, sft={"steps": 5}))).run()
     assert (after()["rl_steps"], after()["policy"]) == (1, "last checkpoint")
+    # Files of an older version say neither: taken for evaluations before any RL step.
+    for path in (tmp_path / "run").glob("eval_*.json"):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        del data["rl_steps"], data["policy"]
+        path.write_text(json.dumps(data), encoding="utf-8")
     before = (tmp_path / "run" / "eval_before_sampled.json").read_text(encoding="utf-8")
     said: list[str] = []
     summary = Trainer(load_config(tiny_recipe(tmp_path, steps=2, sft={"steps": 5})),
@@ -110,7 +115,8 @@ def test_a_finished_run_continued_with_more_steps_is_evaluated_again(tmp_path: P
 
     for name, count in (("sampled", 4), ("greedy", 2)):
         assert len(read_attempts(tmp_path / "run" / "eval" / f"after-{name}")) == count
-        assert len(read_attempts(tmp_path / "run" / "eval" / f"after-{name}.rl_steps-00001")) == count
+        kept = tmp_path / "run" / "eval" / f"after-{name}.earlier"  # its steps not recorded
+        assert len(read_attempts(kept)) == count
     # The warm start's evaluation is the same run's and is kept.
     assert (tmp_path / "run" / "eval_before_sampled.json").read_text(encoding="utf-8") == before
     # Restarted with nothing left to do, the run reuses its evaluation.

@@ -881,15 +881,17 @@ class Trainer:
         wanted = ["sampled", "greedy"] if self.config.eval.greedy else ["sampled"]
         if all(files[n].is_file() for n in wanted):
             found = {n: json.loads(files[n].read_text(encoding="utf-8")) for n in wanted}
-            # Files written before these fields existed are taken as they are.
-            if all(f.get("rl_steps", steps) == steps and f.get("policy", policy) == policy
+            # Files written before these fields existed are taken for what they can only be
+            # sure to hold: an evaluation before any RL step.
+            if all(f.get("rl_steps", 0) == steps and f.get("policy", policy) == policy
                    for f in found.values()):
                 return found
             self.log(f"evaluation {label}: the files hold another policy or step count; "
                      "evaluating again (the earlier attempts are kept beside the new ones)")
             for name, found_file in found.items():
+                recorded = found_file.get("rl_steps")
                 self._keep_aside(self.run_dir / "eval" / f"{label}-{name}",
-                                 int(found_file.get("rl_steps", 0)))
+                                 None if recorded is None else int(recorded))
         started = time.perf_counter()
         with self.phase("evaluate"):
             result = self.evaluate(label, policy, steps)
@@ -900,13 +902,15 @@ class Trainer:
         return result
 
     @staticmethod
-    def _keep_aside(store_dir: Path, steps: int) -> None:
+    def _keep_aside(store_dir: Path, steps: int | None) -> None:
         """Rename an evaluation's trace store so that a new evaluation under the same label
-        writes a store of its own (attempt ids repeat, and a store keeps the first of each)."""
+        writes a store of its own (attempt ids repeat, and a store keeps the first of each).
+        ``steps``: the RL steps behind it (None: not recorded)."""
         if not store_dir.exists():
             return
         for copy_number in range(1000):
-            suffix = f".rl_steps-{steps:05d}" + (f".{copy_number}" if copy_number else "")
+            suffix = ".earlier" if steps is None else f".rl_steps-{steps:05d}"
+            suffix += f".{copy_number}" if copy_number else ""
             target = store_dir.with_name(store_dir.name + suffix)
             if not target.exists():
                 store_dir.rename(target)
