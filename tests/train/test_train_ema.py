@@ -41,8 +41,7 @@ def test_the_run_publishes_the_average_and_trains_on_its_own_weights(tmp_path: P
     # Each checkpoint carries the average so far (a resumed run continues it) ...
     _, extra = ckpt.load_trainer_file(ckpt.checkpoint_path(run_dir, 1))
     for name, value in extra["ema"].items():
-        key = name if name in sft else name.removeprefix("model.")
-        expected = 0.5 * sft[key].double() + 0.5 * one[key].double()
+        expected = 0.5 * sft[name].double() + 0.5 * one[name].double()
         torch.testing.assert_close(value.double(), expected, rtol=0, atol=1e-6)
     # ... while the checkpoints and the trainer's model keep the raw weights.
     for name, value in trainer.actor.policy.state_dict().items():

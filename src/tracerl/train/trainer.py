@@ -150,11 +150,11 @@ class Trainer:
         kind = self.policy_kind()
         if self.ema is None:
             after = self.evaluate_once("after", steps=self.state.step, policy=kind)
-            return self.write_summary(before, after, final)
+            return self.write_summary(before, after, final, final)
         with self.averaged_weights():  # the run's policy is the average (update.ema_decay)
             policy_dir = self.save_policy(self.run_dir / EMA_DIR)
             after = self.evaluate_once("after", steps=self.state.step, policy=kind)
-        return self.write_summary(before, after, policy_dir)
+        return self.write_summary(before, after, policy_dir, final)
 
     def follow(self) -> dict[str, Any]:
         """The loop of a rank other than 0: take rank 0's weights, then for each step its
@@ -917,10 +917,11 @@ class Trainer:
                 return
         raise RuntimeError(f"{store_dir}: too many earlier evaluations kept beside it")
 
-    def write_summary(self, before: dict[str, Any], after: dict[str, Any],
-                      policy_dir: Path) -> dict[str, Any]:
+    def write_summary(self, before: dict[str, Any], after: dict[str, Any], policy_dir: Path,
+                      last_checkpoint: Path) -> dict[str, Any]:
         """``summary.json``: held-out success before and after, costs, where the policy is
-        (``policy_dir``: the one evaluated after training)."""
+        (``policy_dir``: the one evaluated after training; ``last_checkpoint``: the raw
+        weights of the last step)."""
         greedy = self.config.eval.greedy
         sampled_b, sampled_a = before["sampled"], after["sampled"]
         train_tokens = self.state.totals.get("generated_tokens", 0.0)
@@ -954,7 +955,7 @@ class Trainer:
             "top_k": self.config.rollout.top_k,
             "policy_dir": str(policy_dir),
             "policy": self.policy_kind(),
-            "last_checkpoint": str(ckpt.latest_checkpoint(self.run_dir)),
+            "last_checkpoint": str(last_checkpoint),
             "sft_dir": str(self.run_dir / "sft") if self.config.sft.enabled else None,
             "rl_steps": self.state.step,
             "wall_seconds": time.perf_counter() - self.started,
