@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tracerl-installed
 
-.PHONY: test test-slow lint browser demo bench bench-env bench-gae bench-trl clean
+.PHONY: test test-slow lint sandbox browser demo bench bench-env bench-gae bench-trl clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,20 +18,27 @@ lint: $(STAMP)
 	$(PY) -m ruff check src tests bench
 	$(PY) -m mypy
 
+# Every command an agent or a verifier runs goes through bubblewrap (Debian package); installed
+# here when missing, so `make demo` and `make test` need nothing done by hand first.
+sandbox:
+	@if ! command -v bwrap >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ]; then apt-get update && apt-get install -y bubblewrap; \
+		else sudo apt-get update && sudo apt-get install -y bubblewrap; fi; fi
+
 # The report test opens an HTML report in headless Chromium (Debian packages).
 browser:
 	@if [ ! -x /usr/bin/chromium ]; then apt-get update && apt-get install -y chromium chromium-driver; fi
 
-test: $(STAMP) lint browser
+test: $(STAMP) lint sandbox browser
 	$(PY) -m pytest
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) sandbox
 	$(PY) -m pytest -m slow
 
-demo: $(STAMP)
+demo: $(STAMP) sandbox
 	$(PY) -m tracerl demo
 
-bench: $(STAMP)
+bench: $(STAMP) sandbox
 	for f in bench/*.py; do $(PY) $$f || exit 1; done
 
 # A separate environment for comparisons against verl and TRL, whose install pins would clash with
