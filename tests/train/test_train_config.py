@@ -49,12 +49,19 @@ def test_overrides_are_typed() -> None:
     ("update=3", "update: got 3, accepts a mapping"),
     ("sft.fresh_locals=1.5", "sft.fresh_locals: must be a probability"),
     ("update.positive_nll_coef=-1", "update.positive_nll_coef: must be >= 0"),
+    ("update.sft_coef=-0.5", "update.sft_coef: must be >= 0"),
     ("sft.edit_anchor=-1", "sft.edit_anchor: must be >= 0"),
     ("update.ema_decay=1.0", "update.ema_decay: must be in .0, 1) or null, got 1.0"),
 ])
 def test_bad_keys_and_types_are_refused_by_name(override: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, [override])
+
+
+def test_mixing_demonstrations_into_rl_needs_a_warm_start() -> None:
+    with pytest.raises(ValueError, match=r"update.sft_coef: .* needs sft.enabled: true"):
+        config_from_dict({"sft": {"enabled": False}, "update": {"sft_coef": 0.5}})
+    config_from_dict({"sft": {"enabled": True}, "update": {"sft_coef": 0.5}})
 
 
 def test_critic_estimator_without_critic_is_refused() -> None:

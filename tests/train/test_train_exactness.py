@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,11 +34,14 @@ def make_model(critic: str = "none") -> ActorCritic:
 
 
 def step(model: ActorCritic, batch: RowBatch, config: UpdateConfig, critic: CriticConfig,
-         rank_rows: torch.Tensor | None = None) -> dict[str, float]:
+         rank_rows: torch.Tensor | None = None,
+         demonstrations: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+         ) -> dict[str, float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     frozen = freeze_old(model, batch, micro_batch_rows=4)
     # Move the policy away from the anchor so the clip is active on some tokens.
-    return minibatch_step(model, optimizer, frozen, config, critic, rank_rows)
+    return minibatch_step(model, optimizer, frozen, config, critic, rank_rows, demonstrations,
+                          0.4)
 
 
 def params(model: torch.nn.Module) -> torch.Tensor:
@@ -87,6 +91,56 @@ def test_positive_nll_adds_minus_log_pi_on_positive_advantage_tokens_only() -> N
         float(positive.sum() / batch.action_mask.sum()))
 
 
+def demonstration_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from tracerl.train.sft import pad_sequences
+
+    generator = torch.Generator().manual_seed(3)
+    rows = []
+    for length in (9, 14, 6):
+        ids = torch.randint(1, VOCAB, (length,), generator=generator).tolist()
+        rows.append((ids, [i >= length // 2 for i in range(length)]))
+    return pad_sequences(rows, pad_id=0)
+
+
+def test_mixed_demonstrations_add_their_supervised_gradient_once() -> None:
+    """``update.sft_coef`` adds coef x the warm start's loss on the demonstrations to a step:
+    with every advantage 0 the step's gradient is exactly that term's, and the micro-batch
+    size (which splits only the RL rows) leaves the step unchanged."""
+    from tracerl.train.sft import demonstration_loss
+
+    demos = demonstration_rows()
+    batch = freeze_old(make_model(), make_batch(), micro_batch_rows=4)
+    still = replace(batch, advantages=torch.zeros_like(batch.advantages))
+    config = UpdateConfig(micro_batch_rows=100, sft_coef=0.7, grad_clip=None)
+    model = make_model()
+    expected_model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    metrics = minibatch_step(model, optimizer, still, config, CriticConfig(), None, demos, 0.4)
+    (0.7 * demonstration_loss(expected_model.policy, *demos, observation_weight=0.4)).backward()
+    for after, before, reference in zip(model.parameters(), expected_model.parameters(),
+                                        make_model().parameters(), strict=True):
+        assert before.grad is not None
+        assert torch.allclose(reference.detach() - after.detach(), before.grad, atol=1e-12)
+    assert metrics["update/sft_loss"] > 0
+    # Advantages on: any micro-batch size gives the full batch's step, demonstrations included.
+    full = make_model()
+    minibatch_step(full, torch.optim.AdamW(full.parameters(), lr=1e-2), batch, config,
+                   CriticConfig(), None, demos, 0.4)
+    for micro in (1, 4):
+        model = make_model()
+        minibatch_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batch,
+                       replace(config, micro_batch_rows=micro), CriticConfig(), None, demos, 0.4)
+        assert torch.allclose(params(model), params(full), atol=1e-6, rtol=0)
+    # Off (coef 0), the demonstrations change nothing.
+    plain, ignored = make_model(), make_model()
+    minibatch_step(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), batch,
+                   UpdateConfig(micro_batch_rows=100), CriticConfig())
+    minibatch_step(ignored, torch.optim.AdamW(ignored.parameters(), lr=1e-2), batch,
+                   UpdateConfig(micro_batch_rows=100), CriticConfig(), None, demos, 0.4)
+    assert torch.equal(params(plain), params(ignored))
+    assert not torch.allclose(params(plain), params(full), atol=1e-6, rtol=0)
+
+
 def test_entropy_at_the_action_tokens_only_equals_the_whole_distributions() -> None:
     """The fused forward computes the output head (and so the entropy) only at the action
     tokens; the transformers forward computes it everywhere. Same entropies and gradients."""
@@ -134,8 +188,10 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
                             world_size=world)
     try:
         model = make_model("none")
-        config = UpdateConfig(micro_batch_rows=2, loss_mode="token_mean")
-        step(model, make_batch(), config, CriticConfig(), torch.arange(rank, 6, world))
+        # Rank 0 alone computes the mixed demonstrations' term, as ppo_update does.
+        config = UpdateConfig(micro_batch_rows=2, loss_mode="token_mean", sft_coef=0.5)
+        step(model, make_batch(), config, CriticConfig(), torch.arange(rank, 6, world),
+             demonstration_rows() if rank == 0 else None)
         torch.save(params(model), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -143,7 +199,8 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 def test_two_gloo_ranks_equal_full_batch(tmp_path: Path) -> None:
     full = make_model("none")
-    step(full, make_batch(), UpdateConfig(micro_batch_rows=100), CriticConfig())
+    step(full, make_batch(), UpdateConfig(micro_batch_rows=100, sft_coef=0.5), CriticConfig(),
+         None, demonstration_rows())
     mp.start_processes(_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
                        join=True, start_method="spawn")
     for rank in range(2):

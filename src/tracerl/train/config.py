@@ -339,6 +339,14 @@ class UpdateConfig:
     attempts (filtered, as in expert iteration), unclipped, so it keeps sharpening the tokens
     that PPO's clip stops moving within a step. Weighted like the policy loss (the same
     ``loss_mode`` denominators), so micro-batching and ranks leave it unchanged. 0: off."""
+    sft_coef: float = 0.0
+    """Weight of the warm start's supervised loss mixed into every optimizer step of RL, on a
+    fresh batch of ``sft.batch_size`` demonstrations of the train split (drawn as the warm
+    start draws them, ``sft.fresh_names`` included, and weighted the same way,
+    ``sft.observation_weight`` included): InstructGPT's PPO-ptx, with the demonstrations in
+    place of pretraining data. It anchors what SFT taught (reading and copying the line) while
+    RL changes the decisions; unlike ``kl_coef`` it acts on the demonstrations' tokens, not on
+    the sampled ones. Needs ``sft.enabled``. 0: off."""
     kl_coef: float = 0.0
     """Weight of the KL to the reference (the SFT or initial policy); 0: no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -633,6 +641,11 @@ def validate(config: TrainConfig) -> None:
     if not 0.0 <= config.sft.fresh_names <= 1.0:
         raise ValueError(f"sft.fresh_names: must be a probability in [0, 1], "
                          f"got {config.sft.fresh_names}")
+    if not config.update.sft_coef >= 0.0:
+        raise ValueError(f"update.sft_coef: must be >= 0, got {config.update.sft_coef}")
+    if config.update.sft_coef > 0 and not config.sft.enabled:
+        raise ValueError("update.sft_coef: mixes the warm start's demonstrations into RL, "
+                         "so it needs sft.enabled: true")
     if not config.update.positive_nll_coef >= 0.0:
         raise ValueError(f"update.positive_nll_coef: must be >= 0, "
                          f"got {config.update.positive_nll_coef}")

@@ -467,8 +467,9 @@ class SFTResult:
     """Loss of every step."""
 
 
-def _pad(rows: Sequence[tuple[list[int], list[bool]]], pad_id: int
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_sequences(rows: Sequence[tuple[list[int], list[bool]]], pad_id: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokenized demonstrations as right-padded ``(ids, attention, action)``, each (B, T)."""
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -478,6 +479,22 @@ def _pad(rows: Sequence[tuple[list[int], list[bool]]], pad_id: int
         attention[b, :len(row_ids)] = 1
         action[b, :len(row_ids)] = torch.tensor(row_mask)
     return ids, attention, action
+
+
+def demonstration_loss(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor,
+                       action: torch.Tensor, observation_weight: float = 0.0) -> torch.Tensor:
+    """The supervised loss of a padded batch of demonstrations (``pad_sequences``): the
+    token-mean negative log-likelihood of the action tokens, plus ``observation_weight`` times
+    the token-mean NLL of the context tokens (prompt, tool outputs). A scalar; padding carries
+    no weight. The warm start minimises it, and ``update.sft_coef`` mixes it into RL."""
+    logits = model(input_ids=ids, attention_mask=attention).logits
+    logprobs = logprobs_from_logits(logits[:, :-1], ids[:, 1:], processing="raw")
+    weights = loss_weights(action[:, 1:], "token_mean").float()
+    if observation_weight:
+        # Context tokens (prompts, observations) as a language-modelling side loss.
+        context = (attention[:, 1:].bool() & ~action[:, 1:]).float()
+        weights = weights + observation_weight * context / context.sum().clamp(min=1.0)
+    return -(weights.to(logprobs.dtype) * logprobs).sum()
 
 
 def supervised_finetune(model: torch.nn.Module, sequences: Sequence[tuple[list[int], list[bool]]],
@@ -528,15 +545,8 @@ def supervised_finetune(model: torch.nn.Module, sequences: Sequence[tuple[list[i
         picked = [sequences[int(i)] if redraw is None else redraw(int(i), rng)
                   for i in order[cursor:cursor + batch_size]]
         cursor += batch_size
-        ids, attention, action = (t.to(device) for t in _pad(picked, pad_id))
-        logits = model(input_ids=ids, attention_mask=attention).logits
-        logprobs = logprobs_from_logits(logits[:, :-1], ids[:, 1:], processing="raw")
-        weights = loss_weights(action[:, 1:], "token_mean").float()
-        if observation_weight:
-            # Context tokens (prompts, observations) as a language-modelling side loss.
-            context = (attention[:, 1:].bool() & ~action[:, 1:]).float()
-            weights = weights + observation_weight * context / context.sum().clamp(min=1.0)
-        loss = -(weights * logprobs).sum()
+        ids, attention, action = (t.to(device) for t in pad_sequences(picked, pad_id))
+        loss = demonstration_loss(model, ids, attention, action, observation_weight)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

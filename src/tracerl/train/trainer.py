@@ -65,12 +65,20 @@ from tracerl.train.sft import (
     demonstration_texts,
     locals_rename_is_exact,
     make_demonstrations,
+    pad_sequences,
     rename_demonstration,
     rename_demonstration_locals,
     supervised_finetune,
     tokenize_demonstration,
 )
-from tracerl.train.update import ActorCritic, RowBatch, freeze_old, make_adamw, ppo_update
+from tracerl.train.update import (
+    ActorCritic,
+    DemonstrationBatch,
+    RowBatch,
+    freeze_old,
+    make_adamw,
+    ppo_update,
+)
 
 EMA_DIR = "policy-ema"
 """Where a run with ``update.ema_decay`` writes its averaged policy (under the run directory)."""
@@ -83,6 +91,12 @@ PHASES = ("collect", "verify", "advantages", "update", "evaluate", "checkpoint")
 """The loop's phases, in order."""
 SCRIPT_TURNS = 32
 """Turn limit of the environments that play the scripted demonstrations."""
+
+
+Sequence_ = tuple[list[int], list[bool]]
+"""A tokenized demonstration: token ids and which of them are actions."""
+Redraw = Callable[[int, random.Random, random.Random], Sequence_]
+"""``redraw(index, rng, names)``: demonstration ``index`` as drawn for one SFT batch."""
 
 
 class Trainer:
@@ -342,17 +356,22 @@ class Trainer:
 
     # -- warm start ---------------------------------------------------------------------------
 
-    def warm_start(self) -> None:
-        """Supervised fine-tuning on the demonstrations; saves the result to ``sft/``."""
+    def demonstration_sequences(self) -> tuple[list[Sequence_], Redraw | None]:
+        """The demonstrations tokenized, and ``redraw(index, rng, names)`` that gives one of
+        them as SFT trains on it (with probability ``sft.fresh_names`` a fresh name drawn from
+        ``names``, and likewise fresh locals; None when neither is on). Made once per
+        process: the warm start and ``update.sft_coef`` share them."""
+        made: tuple[list[Sequence_], Redraw | None] | None = getattr(self, "_sequences", None)
+        if made is not None:
+            return made
         sft = self.config.sft
         chat = self.chat_tokens()
         demos = self.demonstrations()
         sequences = [tokenize_demonstration(d, chat, self.tokenizer) for d in demos]
         modules = {t.id: module_name(t) for t in self.train_tasks}
         by_id = {t.id: t for t in self.train_tasks}
-        names = random.Random(f"{self.config.seed}:fresh-names")
 
-        def redraw(index: int, rng: random.Random) -> tuple[list[int], list[bool]]:
+        def redraw(index: int, rng: random.Random, names: random.Random) -> Sequence_:
             rename = rng.random() < sft.fresh_names
             # Drawn only when on, so a run without fresh locals draws what it always drew.
             relocal = sft.fresh_locals > 0 and rng.random() < sft.fresh_locals
@@ -371,12 +390,21 @@ class Trainer:
                         break
             return tokenize_demonstration(demo, chat, self.tokenizer)
 
-        kinds = Counter(d.kind for d in demos)
+        self._sequences = sequences, (
+            redraw if sft.fresh_names > 0 or sft.fresh_locals > 0 else None)
+        return self._sequences
+
+    def warm_start(self) -> None:
+        """Supervised fine-tuning on the demonstrations; saves the result to ``sft/``."""
+        sft = self.config.sft
+        sequences, redraw = self.demonstration_sequences()
+        names = random.Random(f"{self.config.seed}:fresh-names")
+        kinds = Counter(d.kind for d in self.demonstrations())
         result = supervised_finetune(
             self.actor.policy, sequences, steps=sft.steps, batch_size=sft.batch_size, lr=sft.lr,
             seed=self.config.seed, pad_id=int(self.tokenizer.pad_token_id),
             max_seconds=sft.max_seconds, observation_weight=sft.observation_weight,
-            redraw=redraw if sft.fresh_names > 0 or sft.fresh_locals > 0 else None)
+            redraw=None if redraw is None else (lambda i, rng: redraw(i, rng, names)))
         directory = self.save_policy(self.run_dir / "sft")
         record = {"steps": result.steps, "seconds": result.seconds,
                   "final_loss": result.final_loss, "demonstrations": dict(kinds),
@@ -693,9 +721,12 @@ class Trainer:
         """Epochs of minibatch PPO on the frozen rows (``attempt_index``: the attempt of each
         row); bumps the policy version. With several ranks each computes its share of rows."""
         started = time.perf_counter()
+        mixed = self.config.update.sft_coef > 0
         metrics = ppo_update(self.actor, self.optimizer, rows, attempt_index,
                              self.config.update, self.config.critic, self.generator,
-                             rank=self.rank, world_size=self.world_size)
+                             rank=self.rank, world_size=self.world_size,
+                             demonstrations=self.demonstration_batch if mixed else None,
+                             observation_weight=self.config.sft.observation_weight)
         self.state.policy_version += 1
         self.policy.policy_version = self.state.policy_version
         grouped: dict[str, dict[str, float]] = defaultdict(dict)
@@ -706,6 +737,17 @@ class Trainer:
         grouped["tokens"]["action"] = float(rows.action_mask.sum())
         grouped["tokens"]["total"] = float(rows.attention_mask.sum())
         return dict(grouped)
+
+    def demonstration_batch(self, optimizer_step: int) -> DemonstrationBatch:
+        """The demonstrations ``update.sft_coef`` mixes into optimizer step ``optimizer_step``:
+        ``sft.batch_size`` of them, drawn (and renamed, as the warm start does) by a generator
+        seeded with the run's seed and the step, so a resumed run draws the same ones."""
+        sequences, redraw = self.demonstration_sequences()
+        rng = random.Random(f"{self.config.seed}:sft-mix:{optimizer_step}")
+        picked = rng.sample(range(len(sequences)), min(self.config.sft.batch_size,
+                                                       len(sequences)))
+        rows = [sequences[i] if redraw is None else redraw(i, rng, rng) for i in picked]
+        return pad_sequences(rows, int(self.tokenizer.pad_token_id))
 
     def finish_step(self, metrics: dict[str, Any], step_seconds: float) -> None:
         """Update task-success estimates, log the step, checkpoint."""

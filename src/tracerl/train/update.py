@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -40,6 +41,10 @@ from tracerl.core import (
 from tracerl.rollout.fused_llama import fused_head, fused_sequence_forward, unsupported_reason
 from tracerl.rollout.sampling import logprobs_from_logits
 from tracerl.train.config import CriticConfig, UpdateConfig
+
+DemonstrationBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""Padded demonstrations ``(ids, attention, action)``, each (B, T), from
+``train.sft.pad_sequences``: the batch ``update.sft_coef`` mixes into an optimizer step."""
 
 
 @dataclass(frozen=True)
@@ -378,11 +383,18 @@ def token_loss(model: ActorCritic, part: RowBatch, config: UpdateConfig, critic:
 
 def minibatch_step(model: ActorCritic, optimizer: torch.optim.Optimizer, batch: RowBatch,
                    config: UpdateConfig, critic: CriticConfig,
-                   rank_rows: torch.Tensor | None = None) -> dict[str, float]:
+                   rank_rows: torch.Tensor | None = None,
+                   demonstrations: DemonstrationBatch | None = None,
+                   observation_weight: float = 0.0) -> dict[str, float]:
     """One optimizer step on a whole minibatch ``batch`` (every rank passes the same one).
 
     ``rank_rows``: the rows this rank computes (default: all). The loss weights come from
     the whole minibatch; gradients are summed over micro-batches and over ranks.
+
+    ``demonstrations`` (with ``config.sft_coef`` > 0): adds ``sft_coef`` times their supervised
+    loss (``train.sft.demonstration_loss``, its own token-mean denominators) to this step.
+    Exactly one rank passes them, so the all-reduce SUM counts the term once; it is one
+    forward of its own, so the micro-batch size leaves it unchanged.
     """
     weights = loss_weights(batch.action_mask, config.loss_mode, batch.group_index,
                            config.loss_constant).float()
@@ -403,6 +415,15 @@ def minibatch_step(model: ActorCritic, optimizer: torch.optim.Optimizer, batch: 
         tokens += count
         for name, value in metrics.items():
             totals[name] = totals.get(name, 0.0) + value * count
+    sft_loss = None
+    if demonstrations is not None and config.sft_coef > 0:
+        from tracerl.train.sft import demonstration_loss
+
+        ids, attention, action = (t.to(model.device) for t in demonstrations)
+        supervised = demonstration_loss(model.policy, ids, attention, action, observation_weight)
+        (config.sft_coef * supervised).backward()
+        sft_loss = float(supervised.detach())
+        objective += config.sft_coef * sft_loss
     distributed = dist.is_available() and dist.is_initialized()
     if distributed:
         for parameter in model.parameters():
@@ -421,6 +442,8 @@ def minibatch_step(model: ActorCritic, optimizer: torch.optim.Optimizer, batch: 
     out = {name: value / tokens for name, value in totals.items()} if tokens else {}
     out["update/loss"] = objective
     out["update/grad_norm"] = grad_norm
+    if sft_loss is not None:
+        out["update/sft_loss"] = sft_loss
     return out
 
 
@@ -440,11 +463,15 @@ def warm_up(optimizer: torch.optim.Optimizer, warmup_steps: int) -> None:
     same schedule."""
     if warmup_steps <= 0:
         return
-    taken = next((int(state["step"]) for state in optimizer.state.values() if "step" in state), 0)
-    scale = min(1.0, (taken + 1) / warmup_steps)
+    scale = min(1.0, (optimizer_steps(optimizer) + 1) / warmup_steps)
     for group in optimizer.param_groups:
         group.setdefault("base_lr", group["lr"])
         group["lr"] = group["base_lr"] * scale
+
+
+def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
+    """Optimizer steps taken so far, read from its own state (restored on resume)."""
+    return next((int(state["step"]) for state in optimizer.state.values() if "step" in state), 0)
 
 
 def _grad_norm(model: torch.nn.Module) -> float:
@@ -464,10 +491,15 @@ def split_minibatches(batch_attempts: torch.Tensor, minibatches: int,
 
 def ppo_update(model: ActorCritic, optimizer: torch.optim.Optimizer, batch: RowBatch,
                attempt_index: torch.Tensor, config: UpdateConfig, critic: CriticConfig,
-               generator: torch.Generator, rank: int = 0, world_size: int = 1
-               ) -> dict[str, float]:
+               generator: torch.Generator, rank: int = 0, world_size: int = 1,
+               demonstrations: Callable[[int], DemonstrationBatch] | None = None,
+               observation_weight: float = 0.0) -> dict[str, float]:
     """``epochs`` passes of ``minibatches`` optimizer steps over ``batch`` (old logprobs
-    already frozen). Each rank computes every ``world_size``-th row of each minibatch."""
+    already frozen). Each rank computes every ``world_size``-th row of each minibatch.
+
+    ``demonstrations(k)``: the demonstration batch of optimizer step ``k`` (counted from the
+    optimizer's state, so a resumed run draws what an uninterrupted one would), for
+    ``config.sft_coef``; rank 0 computes it."""
     model.train()
     sums: dict[str, float] = {}
     steps = 0
@@ -476,7 +508,11 @@ def ppo_update(model: ActorCritic, optimizer: torch.optim.Optimizer, batch: RowB
             warm_up(optimizer, config.warmup_steps)
             mini = batch.select(rows)
             mine = torch.arange(rank, mini.rows, world_size)
-            metrics = minibatch_step(model, optimizer, mini, config, critic, mine)
+            shown = None
+            if demonstrations is not None and config.sft_coef > 0 and rank == 0:
+                shown = demonstrations(optimizer_steps(optimizer))
+            metrics = minibatch_step(model, optimizer, mini, config, critic, mine, shown,
+                                     observation_weight)
             for name, value in metrics.items():
                 sums[name] = sums.get(name, 0.0) + value
             steps += 1
