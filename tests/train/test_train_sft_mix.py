@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from tracerl.train.config import load_config
+from tracerl.train.run_eval import evaluate_run, step_spec
 from tracerl.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -41,3 +42,9 @@ def test_the_run_mixes_demonstrations_into_each_optimizer_step(tmp_path: Path) -
     assert not torch.equal(trainer.demonstration_batch(0)[0], trainer.demonstration_batch(1)[0])
     trainer.close()
     again.close()
+    # Its checkpoints are evaluated afterwards as any run's are (no update runs there).
+    run_dir, out = tmp_path / "run", tmp_path / "evals"
+    evaluate_run(run_dir, [step_spec(2)], out, log=lambda *_: None)
+    ours = json.loads((out / "eval_step00002_sampled.json").read_text(encoding="utf-8"))
+    theirs = json.loads((run_dir / "eval_after_sampled.json").read_text(encoding="utf-8"))
+    assert ours["per_task"] == theirs["per_task"]

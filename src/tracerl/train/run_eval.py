@@ -154,6 +154,7 @@ def evaluate_run(run_dir: Path, specs: Sequence[PolicySpec], out: Path | None = 
     found = [checkpoint_dir(run_dir, step) for step in spec_steps(specs)]
     config = load_config(run_dir / "config.yaml", [
         *overrides, f"run_dir={out}", f"model.path={found[0]}", "sft.enabled=false",
+        "update.sft_coef=0",  # no update runs here; the mixed demonstrations need a warm start
         "progress=false", "tensorboard=false"])
     trainer = Trainer(config, log=log)
     trainer.setup()
