@@ -41,6 +41,7 @@ from tracerl.core import (
 from tracerl.rollout.fused_llama import fused_head, fused_sequence_forward, unsupported_reason
 from tracerl.rollout.sampling import logprobs_from_logits
 from tracerl.train.config import CriticConfig, UpdateConfig
+from tracerl.train.sft import demonstration_loss
 
 DemonstrationBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """Padded demonstrations ``(ids, attention, action)``, each (B, T), from
@@ -417,8 +418,6 @@ def minibatch_step(model: ActorCritic, optimizer: torch.optim.Optimizer, batch: 
             totals[name] = totals.get(name, 0.0) + value * count
     sft_loss = None
     if demonstrations is not None and config.sft_coef > 0:
-        from tracerl.train.sft import demonstration_loss
-
         ids, attention, action = (t.to(model.device) for t in demonstrations)
         supervised = demonstration_loss(model.policy, ids, attention, action, observation_weight)
         (config.sft_coef * supervised).backward()
