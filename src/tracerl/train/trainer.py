@@ -93,9 +93,9 @@ SCRIPT_TURNS = 32
 """Turn limit of the environments that play the scripted demonstrations."""
 
 
-Sequence_ = tuple[list[int], list[bool]]
+TokenizedDemo = tuple[list[int], list[bool]]
 """A tokenized demonstration: token ids and which of them are actions."""
-Redraw = Callable[[int, random.Random, random.Random], Sequence_]
+Redraw = Callable[[int, random.Random, random.Random], TokenizedDemo]
 """``redraw(index, rng, names)``: demonstration ``index`` as drawn for one SFT batch."""
 
 
@@ -356,12 +356,12 @@ class Trainer:
 
     # -- warm start ---------------------------------------------------------------------------
 
-    def demonstration_sequences(self) -> tuple[list[Sequence_], Redraw | None]:
+    def demonstration_sequences(self) -> tuple[list[TokenizedDemo], Redraw | None]:
         """The demonstrations tokenized, and ``redraw(index, rng, names)`` that gives one of
         them as SFT trains on it (with probability ``sft.fresh_names`` a fresh name drawn from
         ``names``, and likewise fresh locals; None when neither is on). Made once per
         process: the warm start and ``update.sft_coef`` share them."""
-        made: tuple[list[Sequence_], Redraw | None] | None = getattr(self, "_sequences", None)
+        made: tuple[list[TokenizedDemo], Redraw | None] | None = getattr(self, "_sequences", None)
         if made is not None:
             return made
         sft = self.config.sft
@@ -371,7 +371,7 @@ class Trainer:
         modules = {t.id: module_name(t) for t in self.train_tasks}
         by_id = {t.id: t for t in self.train_tasks}
 
-        def redraw(index: int, rng: random.Random, names: random.Random) -> Sequence_:
+        def redraw(index: int, rng: random.Random, names: random.Random) -> TokenizedDemo:
             rename = rng.random() < sft.fresh_names
             # Drawn only when on, so a run without fresh locals draws what it always drew.
             relocal = sft.fresh_locals > 0 and rng.random() < sft.fresh_locals
@@ -721,11 +721,10 @@ class Trainer:
         """Epochs of minibatch PPO on the frozen rows (``attempt_index``: the attempt of each
         row); bumps the policy version. With several ranks each computes its share of rows."""
         started = time.perf_counter()
-        mixed = self.config.update.sft_coef > 0
         metrics = ppo_update(self.actor, self.optimizer, rows, attempt_index,
                              self.config.update, self.config.critic, self.generator,
                              rank=self.rank, world_size=self.world_size,
-                             demonstrations=self.demonstration_batch if mixed else None,
+                             demonstrations=self.demonstration_batch,
                              observation_weight=self.config.sft.observation_weight)
         self.state.policy_version += 1
         self.policy.policy_version = self.state.policy_version
