@@ -115,3 +115,20 @@ def test_paired_gain_refuses_unpaired_or_empty_tasks() -> None:
         paired_bootstrap_ci([], [])
     with pytest.raises(ValueError, match="after: every task"):
         paired_bootstrap_ci([[1.0]], [[]])
+
+
+def test_gain_ci_pairs_the_per_task_counts_of_two_summaries() -> None:
+    from tracerl.eval.summary import gain_ci
+
+    def result(counts: dict[str, tuple[int, int]]) -> dict[str, object]:
+        return {"per_task": {t: {"family": "f", "attempts": n, "successes": k}
+                             for t, (n, k) in counts.items()}}
+
+    greedy = result({"a": (1, 1), "b": (1, 0), "c": (1, 0), "d": (1, 1)})
+    sampled = result({"d": (8, 8), "c": (8, 4), "b": (8, 2), "a": (8, 6)})  # order differs
+    expected = paired_bootstrap_ci([[1.0], [0.0], [0.0], [1.0]],
+                                   [[1.0] * 6 + [0.0] * 2, [1.0] * 2 + [0.0] * 6,
+                                    [1.0] * 4 + [0.0] * 4, [1.0] * 8], seed=3, resamples=500)
+    assert gain_ci(greedy, sampled, seed=3, resamples=500) == list(expected)
+    with pytest.raises(ValueError, match="after: its tasks differ"):
+        gain_ci(greedy, result({"a": (8, 1)}))

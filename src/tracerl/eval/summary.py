@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tracerl.eval.audit import hack_flag, hack_flags, hack_summary
-from tracerl.eval.stats import bootstrap_ci, pass_at_k_table
+from tracerl.eval.stats import bootstrap_ci, paired_bootstrap_ci, pass_at_k_table
 from tracerl.trace.schema import ATTEMPT_ENDINGS, Attempt, EndReason
 
 INFRASTRUCTURE_ENDINGS = frozenset({EndReason.TOOL_ERROR, EndReason.CANCELLED})
@@ -108,6 +108,25 @@ def summarize(attempts: Sequence[Attempt], families: Mapping[str, str], *, max_k
     result["per_task"] = {t: {"family": families[t], "attempts": len(scores[t]),
                               "successes": int(sum(scores[t]))} for t in task_ids}
     return result
+
+
+def gain_ci(before: Mapping[str, Any], after: Mapping[str, Any], *, seed: int = 0,
+            resamples: int = 2000) -> list[float]:
+    """The 95% interval of ``after``'s success minus ``before``'s (two results of
+    :func:`summarize` on the same tasks, e.g. one greedy attempt per task against eight
+    samples), from a bootstrap over tasks paired between the two (``paired_bootstrap_ci``)."""
+    if sorted(before["per_task"]) != sorted(after["per_task"]):
+        raise ValueError("after: its tasks differ from before's; a gain is paired by task")
+
+    def scores(result: Mapping[str, Any]) -> list[list[float]]:
+        per_task = result["per_task"]
+        return [[1.0] * per_task[t]["successes"]
+                + [0.0] * (per_task[t]["attempts"] - per_task[t]["successes"])
+                for t in sorted(per_task)]
+
+    low, high = paired_bootstrap_ci(scores(before), scores(after), seed=seed,
+                                    resamples=resamples)
+    return [low, high]
 
 
 def _block(per_task: list[list[float]], *, seed: int, resamples: int) -> dict[str, Any]:

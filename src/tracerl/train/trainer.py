@@ -52,25 +52,11 @@ from tracerl.train.algorithms import (
     compute_advantages,
     group_outcome_metrics,
 )
-from tracerl.train.augment import (
-    fresh_local_names,
-    fresh_name,
-    is_renamed,
-    module_name,
-    renamed_copies,
-)
+from tracerl.train.augment import renamed_copies
 from tracerl.train.config import TrainConfig, config_changes, dump_config, resolve_device
+from tracerl.train.demos import DemonstrationSet, Redraw, TokenizedDemo
 from tracerl.train.metrics import MetricsWriter, StepProgress
-from tracerl.train.sft import (
-    demonstration_texts,
-    locals_rename_is_exact,
-    make_demonstrations,
-    pad_sequences,
-    rename_demonstration,
-    rename_demonstration_locals,
-    supervised_finetune,
-    tokenize_demonstration,
-)
+from tracerl.train.sft import Demonstration, supervised_finetune
 from tracerl.train.update import (
     ActorCritic,
     DemonstrationBatch,
@@ -89,15 +75,6 @@ Hook = Callable[[str, "Trainer"], None]
 
 PHASES = ("collect", "verify", "advantages", "update", "evaluate", "checkpoint")
 """The loop's phases, in order."""
-SCRIPT_TURNS = 32
-"""Turn limit of the environments that play the scripted demonstrations."""
-
-
-TokenizedDemo = tuple[list[int], list[bool]]
-"""A tokenized demonstration: token ids and which of them are actions."""
-Redraw = Callable[[int, random.Random, random.Random], TokenizedDemo]
-"""``redraw(index, rng, names)``: demonstration ``index`` as drawn for one SFT batch."""
-
 
 class Trainer:
     """One run of :class:`TrainConfig` (see the module docstring)."""
@@ -212,6 +189,8 @@ class Trainer:
         self.rl_tasks = self._with_copies(loaded[cut:]) if cut < len(loaded) else self.train_tasks
         self.heldout_tasks = self._load_tasks("heldout")
         self.sandbox = Sandbox()
+        self.demos = DemonstrationSet(config, self.train_tasks, self.sandbox)
+        """The train split's demonstrations (warm start, tokenizer, ``update.sft_coef``)."""
         latest = ckpt.latest_checkpoint(self.run_dir)
         sft_dir = self.run_dir / "sft"
         if latest is not None:
@@ -313,38 +292,17 @@ class Trainer:
         from tracerl.models.tiny import TinyModelConfig, build_tiny_model, train_tokenizer
         from tracerl.models.words import WORDS
 
-        # The tokenizer learns from the original tasks only: the fresh names of renamed copies
-        # then stay split into small pieces, exactly like the names of held-out tasks, and the
-        # policy has to learn to copy pieces rather than recall one token per name.
-        texts = demonstration_texts([d for d in self.demonstrations() if not is_renamed(d.task_id)])
-        if config.rollout.system_prompt:
-            texts.append(config.rollout.system_prompt)
-        tokenizer = train_tokenizer(texts, vocab_size=config.model.vocab_size, words=WORDS)
+        tokenizer = train_tokenizer(self.demos.tokenizer_texts(),
+                                    vocab_size=config.model.vocab_size, words=WORDS)
         shape = TinyModelConfig(
             hidden_size=config.model.hidden_size, num_layers=config.model.num_layers,
             num_heads=config.model.num_heads, intermediate_size=config.model.intermediate_size,
             max_positions=config.model.max_positions)
         return build_tiny_model(tokenizer, shape, seed=config.seed), tokenizer
 
-    def demonstrations(self) -> list[Any]:
+    def demonstrations(self) -> list[Demonstration]:
         """The (imperfect) demonstrations of the train split, made once per process."""
-        if not hasattr(self, "_demos"):
-            sft = self.config.sft
-            shown = self.train_tasks
-            if sft.task_count is not None:
-                shown = [t for t in self.train_tasks if not is_renamed(t.id)][: sft.task_count]
-            # Scripted attempts are not held to the rollout's turn budget (the longest script
-            # has 8 actions; a short budget is a constraint on the policy, not the teacher).
-            shown = [dataclasses.replace(t, budget=None) for t in shown]
-            self._demos = make_demonstrations(
-                shown, lambda: CodingEnv(shown, sandbox=self.sandbox, max_turns=SCRIPT_TURNS),
-                demos_per_task=sft.demos_per_task, wrong_fraction=sft.wrong_edit_fraction,
-                recovery_fraction=sft.recovery_fraction, check_fraction=sft.check_fraction,
-                seed=self.config.seed, line_edits=sft.line_edits,
-                implicit_path=sft.implicit_path, retry_fraction=sft.retry_fraction,
-                search_fraction=sft.search_fraction, whole_line=sft.whole_line,
-                undo=sft.undo, restart=sft.restart, edit_anchor=sft.edit_anchor)
-        return self._demos
+        return self.demos.demonstrations()
 
     def chat_tokens(self) -> ChatTokens:
         """The collector's conversation format for this run."""
@@ -357,42 +315,9 @@ class Trainer:
     # -- warm start ---------------------------------------------------------------------------
 
     def demonstration_sequences(self) -> tuple[list[TokenizedDemo], Redraw | None]:
-        """The demonstrations tokenized, and ``redraw(index, rng, names)`` that gives one of
-        them as SFT trains on it (with probability ``sft.fresh_names`` a fresh name drawn from
-        ``names``, and likewise fresh locals; None when neither is on). Made once per
-        process: the warm start and ``update.sft_coef`` share them."""
-        made: tuple[list[TokenizedDemo], Redraw | None] | None = getattr(self, "_sequences", None)
-        if made is not None:
-            return made
-        sft = self.config.sft
-        chat = self.chat_tokens()
-        demos = self.demonstrations()
-        sequences = [tokenize_demonstration(d, chat, self.tokenizer) for d in demos]
-        modules = {t.id: module_name(t) for t in self.train_tasks}
-        by_id = {t.id: t for t in self.train_tasks}
-
-        def redraw(index: int, rng: random.Random, names: random.Random) -> TokenizedDemo:
-            rename = rng.random() < sft.fresh_names
-            # Drawn only when on, so a run without fresh locals draws what it always drew.
-            relocal = sft.fresh_locals > 0 and rng.random() < sft.fresh_locals
-            if not (rename or relocal):
-                return sequences[index]
-            demo = demos[index]
-            new = fresh_name(names) if rename else modules[demo.task_id]
-            if rename:
-                demo = rename_demonstration(demo, modules[demo.task_id], new)
-            if relocal:
-                task = by_id[demos[index].task_id]
-                for _ in range(4):  # names under which every edit still applies as shown
-                    mapping = fresh_local_names(task, names, taken=frozenset({new}))
-                    if locals_rename_is_exact(task, demos[index], mapping):
-                        demo = rename_demonstration_locals(demo, mapping)
-                        break
-            return tokenize_demonstration(demo, chat, self.tokenizer)
-
-        self._sequences = sequences, (
-            redraw if sft.fresh_names > 0 or sft.fresh_locals > 0 else None)
-        return self._sequences
+        """The demonstrations tokenized and their per-draw renaming
+        (:meth:`DemonstrationSet.sequences`): the warm start and ``update.sft_coef`` share them."""
+        return self.demos.sequences(self.chat_tokens(), self.tokenizer)
 
     def warm_start(self) -> None:
         """Supervised fine-tuning on the demonstrations; saves the result to ``sft/``."""
@@ -738,15 +663,10 @@ class Trainer:
         return dict(grouped)
 
     def demonstration_batch(self, optimizer_step: int) -> DemonstrationBatch:
-        """The demonstrations ``update.sft_coef`` mixes into optimizer step ``optimizer_step``:
-        ``sft.batch_size`` of them, drawn (and renamed, as the warm start does) by a generator
-        seeded with the run's seed and the step, so a resumed run draws the same ones."""
-        sequences, redraw = self.demonstration_sequences()
-        rng = random.Random(f"{self.config.seed}:sft-mix:{optimizer_step}")
-        picked = rng.sample(range(len(sequences)), min(self.config.sft.batch_size,
-                                                       len(sequences)))
-        rows = [sequences[i] if redraw is None else redraw(i, rng, rng) for i in picked]
-        return pad_sequences(rows, int(self.tokenizer.pad_token_id))
+        """The demonstrations ``update.sft_coef`` mixes into optimizer step ``optimizer_step``
+        (:meth:`DemonstrationSet.batch`: the same on a resumed run)."""
+        return self.demos.batch(optimizer_step, self.chat_tokens(), self.tokenizer,
+                                int(self.tokenizer.pad_token_id))
 
     def finish_step(self, metrics: dict[str, Any], step_seconds: float) -> None:
         """Update task-success estimates, log the step, checkpoint."""
@@ -1012,19 +932,10 @@ class Trainer:
 
     def _gain_ci(self, before: dict[str, Any], after: dict[str, Any]) -> list[float]:
         """Paired task-level bootstrap interval of ``after``'s success minus ``before``'s."""
-        from tracerl.eval.stats import paired_bootstrap_ci
+        from tracerl.eval.summary import gain_ci
 
-        def scores(result: dict[str, Any]) -> list[list[float]]:
-            per_task = result["per_task"]
-            return [[1.0] * per_task[t]["successes"]
-                    + [0.0] * (per_task[t]["attempts"] - per_task[t]["successes"])
-                    for t in sorted(per_task)]
-
-        if sorted(before["per_task"]) != sorted(after["per_task"]):
-            raise ValueError("the evaluations before and after training saw different tasks")
-        low, high = paired_bootstrap_ci(scores(before), scores(after), seed=self.config.seed,
-                                        resamples=self.config.eval.bootstrap_resamples)
-        return [low, high]
+        return gain_ci(before, after, seed=self.config.seed,
+                       resamples=self.config.eval.bootstrap_resamples)
 
     def close(self) -> None:
         """Seal the trace store and close the metrics files (rank 0 holds them)."""

@@ -1,0 +1,131 @@
+"""The demonstrations a run learns from: made once, tokenized once, drawn per batch.
+
+A run with ``sft.enabled`` plays scripted, imperfect demonstrations of its train split
+(:func:`tracerl.train.sft.make_demonstrations`) and uses them three times: their texts train
+the tiny model's tokenizer, the warm start fine-tunes on them, and ``update.sft_coef`` mixes a
+fresh batch of them into every RL optimizer step. :class:`DemonstrationSet` holds them for the
+trainer so that all three see the same demonstrations and the same renaming per draw
+(``sft.fresh_names``, ``sft.fresh_locals``), and so that a resumed run draws what it drew.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable, Sequence
+
+from tracerl.envs import CodingEnv, Sandbox, Task
+from tracerl.rollout.chat_tokens import ChatTokens
+from tracerl.train.augment import fresh_local_names, fresh_name, is_renamed, module_name
+from tracerl.train.config import TrainConfig
+from tracerl.train.sft import (
+    Demonstration,
+    demonstration_texts,
+    locals_rename_is_exact,
+    make_demonstrations,
+    pad_sequences,
+    rename_demonstration,
+    rename_demonstration_locals,
+    tokenize_demonstration,
+)
+from tracerl.train.update import DemonstrationBatch
+
+SCRIPT_TURNS = 32
+"""Turn limit of the environments that play the scripted demonstrations."""
+
+TokenizedDemo = tuple[list[int], list[bool]]
+"""A tokenized demonstration: token ids and which of them are actions."""
+Redraw = Callable[[int, random.Random, random.Random], TokenizedDemo]
+"""``redraw(index, rng, names)``: demonstration ``index`` as drawn for one SFT batch."""
+
+
+class DemonstrationSet:
+    """The demonstrations of ``tasks`` (a run's train split, renamed copies included) as
+    ``config.sft`` describes them; each part is made on first use and kept."""
+
+    def __init__(self, config: TrainConfig, tasks: Sequence[Task], sandbox: Sandbox) -> None:
+        self.config = config
+        self.tasks = list(tasks)
+        self.sandbox = sandbox
+        self._demos: list[Demonstration] | None = None
+        self._sequences: tuple[list[TokenizedDemo], Redraw | None] | None = None
+
+    def demonstrations(self) -> list[Demonstration]:
+        """The (imperfect) demonstrations: ``sft.demos_per_task`` of each shown task."""
+        if self._demos is None:
+            sft = self.config.sft
+            shown = self.tasks
+            if sft.task_count is not None:
+                shown = [t for t in self.tasks if not is_renamed(t.id)][: sft.task_count]
+            # Scripted attempts are not held to the rollout's turn budget (the longest script
+            # has 8 actions; a short budget is a constraint on the policy, not the teacher).
+            shown = [dataclasses.replace(t, budget=None) for t in shown]
+            self._demos = make_demonstrations(
+                shown, lambda: CodingEnv(shown, sandbox=self.sandbox, max_turns=SCRIPT_TURNS),
+                demos_per_task=sft.demos_per_task, wrong_fraction=sft.wrong_edit_fraction,
+                recovery_fraction=sft.recovery_fraction, check_fraction=sft.check_fraction,
+                seed=self.config.seed, line_edits=sft.line_edits,
+                implicit_path=sft.implicit_path, retry_fraction=sft.retry_fraction,
+                search_fraction=sft.search_fraction, whole_line=sft.whole_line,
+                undo=sft.undo, restart=sft.restart, edit_anchor=sft.edit_anchor)
+        return self._demos
+
+    def tokenizer_texts(self) -> list[str]:
+        """What the tiny model's tokenizer is trained on: the original tasks' demonstrations
+        only. The fresh names of renamed copies then stay split into small pieces, exactly
+        like the names of held-out tasks, and the policy has to learn to copy pieces rather
+        than recall one token per name."""
+        texts = demonstration_texts(
+            [d for d in self.demonstrations() if not is_renamed(d.task_id)])
+        if self.config.rollout.system_prompt:
+            texts.append(self.config.rollout.system_prompt)
+        return texts
+
+    def sequences(self, chat: ChatTokens, tokenizer: object
+                  ) -> tuple[list[TokenizedDemo], Redraw | None]:
+        """The demonstrations tokenized, and ``redraw(index, rng, names)`` that gives one of
+        them as SFT trains on it (with probability ``sft.fresh_names`` a fresh name drawn from
+        ``names``, and likewise fresh locals; None when neither is on). Made on the first call
+        (a run has one tokenizer and one conversation format)."""
+        if self._sequences is not None:
+            return self._sequences
+        sft = self.config.sft
+        demos = self.demonstrations()
+        sequences = [tokenize_demonstration(d, chat, tokenizer) for d in demos]
+        modules = {t.id: module_name(t) for t in self.tasks}
+        by_id = {t.id: t for t in self.tasks}
+
+        def redraw(index: int, rng: random.Random, names: random.Random) -> TokenizedDemo:
+            rename = rng.random() < sft.fresh_names
+            # Drawn only when on, so a run without fresh locals draws what it always drew.
+            relocal = sft.fresh_locals > 0 and rng.random() < sft.fresh_locals
+            if not (rename or relocal):
+                return sequences[index]
+            demo = demos[index]
+            new = fresh_name(names) if rename else modules[demo.task_id]
+            if rename:
+                demo = rename_demonstration(demo, modules[demo.task_id], new)
+            if relocal:
+                task = by_id[demos[index].task_id]
+                for _ in range(4):  # names under which every edit still applies as shown
+                    mapping = fresh_local_names(task, names, taken=frozenset({new}))
+                    if locals_rename_is_exact(task, demos[index], mapping):
+                        demo = rename_demonstration_locals(demo, mapping)
+                        break
+            return tokenize_demonstration(demo, chat, tokenizer)
+
+        self._sequences = sequences, (
+            redraw if sft.fresh_names > 0 or sft.fresh_locals > 0 else None)
+        return self._sequences
+
+    def batch(self, optimizer_step: int, chat: ChatTokens, tokenizer: object, pad_id: int
+              ) -> DemonstrationBatch:
+        """The demonstrations ``update.sft_coef`` mixes into optimizer step ``optimizer_step``:
+        ``sft.batch_size`` of them, drawn (and renamed, as the warm start does) by a generator
+        seeded with the run's seed and the step, so a resumed run draws the same ones."""
+        sequences, redraw = self.sequences(chat, tokenizer)
+        rng = random.Random(f"{self.config.seed}:sft-mix:{optimizer_step}")
+        picked = rng.sample(range(len(sequences)), min(self.config.sft.batch_size,
+                                                       len(sequences)))
+        rows = [sequences[i] if redraw is None else redraw(i, rng, rng) for i in picked]
+        return pad_sequences(rows, pad_id)
