@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from tracerl.envs import CodingEnv, Sandbox, Task
 from tracerl.rollout.chat_tokens import ChatTokens
@@ -49,6 +50,15 @@ class DemonstrationSet:
         self.sandbox = sandbox
         self._demos: list[Demonstration] | None = None
         self._sequences: tuple[list[TokenizedDemo], Redraw | None] | None = None
+        self._chat: ChatTokens | None = None
+        self._tokenizer: Any = None
+
+    def bind(self, chat: ChatTokens, tokenizer: Any) -> None:
+        """The run's conversation format and tokenizer, which :meth:`sequences` and
+        :meth:`batch` render with (the tokenizer may itself be trained on
+        :meth:`tokenizer_texts`, so it cannot be given at construction)."""
+        self._chat, self._tokenizer = chat, tokenizer
+        self._sequences = None
 
     def demonstrations(self) -> list[Demonstration]:
         """The (imperfect) demonstrations: ``sft.demos_per_task`` of each shown task."""
@@ -81,14 +91,16 @@ class DemonstrationSet:
             texts.append(self.config.rollout.system_prompt)
         return texts
 
-    def sequences(self, chat: ChatTokens, tokenizer: object
-                  ) -> tuple[list[TokenizedDemo], Redraw | None]:
+    def sequences(self) -> tuple[list[TokenizedDemo], Redraw | None]:
         """The demonstrations tokenized, and ``redraw(index, rng, names)`` that gives one of
         them as SFT trains on it (with probability ``sft.fresh_names`` a fresh name drawn from
         ``names``, and likewise fresh locals; None when neither is on). Made on the first call
-        (a run has one tokenizer and one conversation format)."""
+        after :meth:`bind`."""
         if self._sequences is not None:
             return self._sequences
+        chat, tokenizer = self._chat, self._tokenizer
+        if chat is None:
+            raise RuntimeError("DemonstrationSet.sequences: call bind(chat, tokenizer) first")
         sft = self.config.sft
         demos = self.demonstrations()
         sequences = [tokenize_demonstration(d, chat, tokenizer) for d in demos]
@@ -118,14 +130,13 @@ class DemonstrationSet:
             redraw if sft.fresh_names > 0 or sft.fresh_locals > 0 else None)
         return self._sequences
 
-    def batch(self, optimizer_step: int, chat: ChatTokens, tokenizer: object, pad_id: int
-              ) -> DemonstrationBatch:
+    def batch(self, optimizer_step: int) -> DemonstrationBatch:
         """The demonstrations ``update.sft_coef`` mixes into optimizer step ``optimizer_step``:
         ``sft.batch_size`` of them, drawn (and renamed, as the warm start does) by a generator
         seeded with the run's seed and the step, so a resumed run draws the same ones."""
-        sequences, redraw = self.sequences(chat, tokenizer)
+        sequences, redraw = self.sequences()
         rng = random.Random(f"{self.config.seed}:sft-mix:{optimizer_step}")
         picked = rng.sample(range(len(sequences)), min(self.config.sft.batch_size,
                                                        len(sequences)))
         rows = [sequences[i] if redraw is None else redraw(i, rng, rng) for i in picked]
-        return pad_sequences(rows, pad_id)
+        return pad_sequences(rows, int(self._tokenizer.pad_token_id))

@@ -203,6 +203,7 @@ class Trainer:
         self.tokenizer = tokenizer
         self.actor = ActorCritic(model, config.critic, config.rollout.temperature).to(self.device)
         self.policy = HFPolicy(model, tokenizer, max_batch_size=config.rollout.concurrency)
+        self.demos.bind(self.chat_tokens(), tokenizer)
         self.optimizer = make_adamw(
             [{"params": self.actor.policy_parameters(), "lr": config.update.lr},
              {"params": self.actor.critic_parameters(), "lr": config.critic.lr}],
@@ -317,7 +318,7 @@ class Trainer:
     def demonstration_sequences(self) -> tuple[list[TokenizedDemo], Redraw | None]:
         """The demonstrations tokenized and their per-draw renaming
         (:meth:`DemonstrationSet.sequences`): the warm start and ``update.sft_coef`` share them."""
-        return self.demos.sequences(self.chat_tokens(), self.tokenizer)
+        return self.demos.sequences()
 
     def warm_start(self) -> None:
         """Supervised fine-tuning on the demonstrations; saves the result to ``sft/``."""
@@ -665,8 +666,7 @@ class Trainer:
     def demonstration_batch(self, optimizer_step: int) -> DemonstrationBatch:
         """The demonstrations ``update.sft_coef`` mixes into optimizer step ``optimizer_step``
         (:meth:`DemonstrationSet.batch`: the same on a resumed run)."""
-        return self.demos.batch(optimizer_step, self.chat_tokens(), self.tokenizer,
-                                int(self.tokenizer.pad_token_id))
+        return self.demos.batch(optimizer_step)
 
     def finish_step(self, metrics: dict[str, Any], step_seconds: float) -> None:
         """Update task-success estimates, log the step, checkpoint."""
