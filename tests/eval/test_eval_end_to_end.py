@@ -206,19 +206,23 @@ def test_a_checkpoint_is_evaluated_with_the_conversation_format_it_was_trained_o
 
     trained = tmp_path / "trained"
     shutil.copytree(policy_dir, trained)
-    write_conversation(trained, tool_schemas_in_prompt=False, system_prompt="Fix it.")
+    write_conversation(trained, tool_schemas_in_prompt=False, system_prompt="Fix it.",
+                       constrain_edits=True)
     tasks = list(load_tasks(task_file))[:1]
     settings = EvalSettings(samples=1, temperature=1.0, max_turns=1,
                             max_new_tokens_per_turn=4, max_new_tokens=16)
-    prompts = {}
+    prompts, rules = {}, {}
     for name, directory in (("plain", policy_dir), ("trained", trained)):
         policy = load_policy(directory)
         attempts, _ = collect_attempts(policy, tasks, settings, sandbox=Sandbox())
-        first = attempts[0].fragments[0].turns[0].segments[0]
-        assert first.role is Role.PROMPT
+        first, action = attempts[0].fragments[0].turns[0].segments[:2]
+        assert first.role is Role.PROMPT and action.role is Role.ACTION
         prompts[name] = policy.decode(first.token_ids.tolist())
+        rules[name] = action.sampling.constraint
     assert "Tools:" in prompts["plain"] and "view_file" in prompts["plain"]
     assert "Tools:" not in prompts["trained"] and "Fix it." in prompts["trained"]
+    # Its edits are decoded under the rule it was trained with.
+    assert rules == {"plain": None, "trained": "edit_old"}
 
 
 def test_each_task_keeps_its_own_turn_budget_unless_a_cap_is_given(

@@ -308,3 +308,47 @@ def test_restart_continues_the_attempt_in_a_fresh_context(
     assert policy.fed[3] == second[0].token_ids.tolist() == policy.fed[0]
     assert [s.role for s in _segments(attempt.fragments[0])].count(Role.ACTION) == 3
     assert read_attempts(tmp_path / "s") == [attempt]
+
+
+def test_constrain_edits_gives_each_turn_the_open_files_rule_and_records_it(
+        toy: RecordingPolicy, tasks: list[Any], sandbox: Sandbox, tmp_path: Path) -> None:
+    seen: list[Any] = []
+    original = toy.generate
+
+    def generate(prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 row_seeds: Sequence[int] | None = None,
+                 constraints: Sequence[Any] | None = None) -> list[Completion]:
+        seen.extend(constraints or [None] * len(prompts))
+        return original(prompts, params, row_seeds=row_seeds, constraints=constraints)
+
+    toy.generate = generate  # type: ignore[method-assign]
+    try:
+        with TraceStore(tmp_path / "store") as store:
+            result = _collector(toy, tasks[:1], sandbox, store, constrain_edits=True,
+                                max_turns=2).collect(tasks[:1], 1, run_id="c")
+    finally:
+        del toy.generate
+    attempt = result.attempts[0]
+    env = CodingEnv(tasks[:1], sandbox=sandbox)
+    env.reset(options={"task_id": tasks[0].id})
+    opened = env.open_file_text()
+    env.close()
+    assert opened is not None and opened == tasks[0].files[str(env.open_file)]
+    assert seen and all(rule is not None for rule in seen)
+    assert seen[0].file_text == opened  # each turn's rule reads the environment's open file
+    actions = [s for f in attempt.fragments for t in f.turns for s in t.segments
+               if s.role is Role.ACTION]
+    assert actions and all(s.sampling.constraint == "edit_old" for s in actions)
+    stored = read_attempts(tmp_path / "store")[0]
+    assert [s.sampling for f in stored.fragments for t in f.turns for s in t.segments
+            if s.role is Role.ACTION] == [s.sampling for s in actions]
+    # Off (the default), no rule is passed and none is recorded.
+    seen.clear()
+    toy.generate = generate  # type: ignore[method-assign]
+    try:
+        plain = _collector(toy, tasks[:1], sandbox, None, max_turns=2).collect(tasks[:1], 1)
+    finally:
+        del toy.generate
+    assert seen and all(rule is None for rule in seen)
+    assert all(s.sampling.constraint is None for f in plain.attempts[0].fragments
+               for t in f.turns for s in t.segments if s.role is Role.ACTION)

@@ -133,6 +133,16 @@ class CodingEnv(gym.Env[str, str]):
                 "max_turns": self._max_turns()}
         return to_charset(observation, self.observation_chars), info
 
+    def open_file_text(self) -> str | None:
+        """The text of the open file (what ``replace`` without ``path`` edits), or None when
+        there is none; read by decoding rules that keep an edit's ``old`` in the file."""
+        if self.workspace is None or self.open_file is None or self._done:
+            return None
+        try:
+            return self.workspace.read(self.open_file)
+        except (OSError, ValueError):
+            return None
+
     def _statement(self) -> str:
         """The task statement: the first observation of an attempt, and again after ``restart``."""
         assert self.task is not None

@@ -183,9 +183,11 @@ class AttemptRunner:
             if cap <= 0:
                 return _Ending(EndReason.TRUNCATED_TOKENS, list(state.pending), score=True)
             t0 = time.perf_counter()
+            rule = self.collector.edit_constraint(env)
             try:
                 completion = await asyncio.wait_for(
-                    self.batcher.generate(prompt, cap, _turn_seed(spec.seed, state.actions)),
+                    self.batcher.generate(prompt, cap, _turn_seed(spec.seed, state.actions),
+                                          rule),
                     remaining)
             except TimeoutError:
                 return _Ending(EndReason.TIMEOUT, list(state.pending), score=True)
@@ -199,7 +201,8 @@ class AttemptRunner:
                         sampling=SamplingParams(
                             temperature=sampling.temperature, top_p=sampling.top_p,
                             top_k=sampling.top_k or None, max_new_tokens=cap,
-                            seed=_turn_seed(spec.seed, state.actions)),
+                            seed=_turn_seed(spec.seed, state.actions),
+                            constraint=None if rule is None else rule.name),
                         policy_version=completion.policy_version,
                         engine=self.collector.engine),
             )))

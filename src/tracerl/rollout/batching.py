@@ -22,6 +22,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tracerl.rollout.constraints import TokenConstraint
 from tracerl.rollout.policy_hf import Completion
 from tracerl.rollout.sampling import SamplingParams
 
@@ -43,6 +44,7 @@ class _Request:
     max_new_tokens: int
     seed: int
     future: asyncio.Future[Completion]
+    constraint: TokenConstraint | None = None
 
 
 @dataclass
@@ -76,7 +78,10 @@ class GenerationBatcher:
         self._busy = 0
         self._dispatched = 0
         self._closed = False
-        self._row_seeds = "row_seeds" in inspect.signature(policy.generate).parameters
+        accepted = inspect.signature(policy.generate).parameters
+        self._row_seeds = "row_seeds" in accepted
+        self.constraints = "constraints" in accepted
+        """Whether the policy applies per-row decoding rules (``HFPolicy`` does)."""
 
     # -- attempt state: how many attempts could still ask before a batch is complete -------
 
@@ -105,10 +110,14 @@ class GenerationBatcher:
 
     # -- requests ------------------------------------------------------------------------
 
-    async def generate(self, prompt: list[int], max_new_tokens: int, seed: int) -> Completion:
-        """Sample one completion of ``prompt`` with at most ``max_new_tokens`` tokens."""
+    async def generate(self, prompt: list[int], max_new_tokens: int, seed: int,
+                       constraint: TokenConstraint | None = None) -> Completion:
+        """Sample one completion of ``prompt`` with at most ``max_new_tokens`` tokens, under
+        ``constraint`` when given (refused by a policy that takes no rules)."""
+        if constraint is not None and not self.constraints:
+            raise ValueError(f"constraint: {type(self.policy).__name__} applies no decoding rules")
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(prompt, max_new_tokens, seed, future))
+        self._pending.append(_Request(prompt, max_new_tokens, seed, future, constraint))
         self._event.set()
         try:
             return await future
@@ -150,11 +159,12 @@ class GenerationBatcher:
         params = dataclasses.replace(self.params, max_new_tokens=cap)
         prompts = [r.prompt for r in batch]
         seeds = [r.seed for r in batch]
+        rules = [r.constraint for r in batch]
         self._dispatched += len(batch)
         started = time.perf_counter()
         try:
             completions = await loop.run_in_executor(
-                self._executor, self._call, prompts, params, seeds
+                self._executor, self._call, prompts, params, seeds, rules
             )
         except Exception as error:
             for r in batch:
@@ -176,12 +186,15 @@ class GenerationBatcher:
             request.future.set_result(kept)
 
     def _call(self, prompts: list[list[int]], params: SamplingParams,
-              seeds: list[int]) -> list[Completion]:
+              seeds: list[int], rules: list[TokenConstraint | None]) -> list[Completion]:
+        extra: dict[str, Any] = {}
+        if any(rule is not None for rule in rules):
+            extra["constraints"] = rules
         if self._row_seeds:
-            return self.policy.generate(prompts, params, row_seeds=seeds)
+            return self.policy.generate(prompts, params, row_seeds=seeds, **extra)
         # A policy without per-row generators gets one seed per call: reproducible only when
         # batches are.
-        return self.policy.generate(prompts, dataclasses.replace(params, seed=seeds[0]))
+        return self.policy.generate(prompts, dataclasses.replace(params, seed=seeds[0]), **extra)
 
     def _cut(self, completion: Completion, cap: int) -> Completion:
         if len(completion.token_ids) <= cap:

@@ -28,18 +28,21 @@ CONVERSATION_FILE = "tracerl_conversation.json"
 the prompt or not, the system prompt), so an evaluation renders them the same way."""
 
 
-def conversation_json(*, tool_schemas_in_prompt: bool, system_prompt: str | None) -> str:
-    """The content of ``CONVERSATION_FILE`` for a policy trained with this format."""
+def conversation_json(*, tool_schemas_in_prompt: bool, system_prompt: str | None,
+                      constrain_edits: bool = False) -> str:
+    """The content of ``CONVERSATION_FILE`` for a policy trained with this format
+    (``constrain_edits``: its edits were decoded under ``rollout.constraints.EditConstraint``)."""
     return json.dumps({"tool_schemas_in_prompt": tool_schemas_in_prompt,
-                       "system_prompt": system_prompt})
+                       "system_prompt": system_prompt, "constrain_edits": constrain_edits})
 
 
 def write_conversation(directory: str | Path, *, tool_schemas_in_prompt: bool,
-                       system_prompt: str | None) -> None:
+                       system_prompt: str | None, constrain_edits: bool = False) -> None:
     """Record the conversation format a policy was trained with in ``directory``."""
     (Path(directory) / CONVERSATION_FILE).write_text(
         conversation_json(tool_schemas_in_prompt=tool_schemas_in_prompt,
-                          system_prompt=system_prompt), encoding="utf-8")
+                          system_prompt=system_prompt, constrain_edits=constrain_edits),
+        encoding="utf-8")
 
 
 def read_conversation(directory: str | Path) -> dict[str, Any] | None:

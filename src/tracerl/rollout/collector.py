@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import signal
 import threading
 import time
@@ -41,6 +42,7 @@ from tracerl.rollout.attempt import AttemptRunner, AttemptSpec
 from tracerl.rollout.batching import GenerationBatcher, SamplingPolicy
 from tracerl.rollout.chat_tokens import ChatTokens, ObservationRole
 from tracerl.rollout.compaction import CompactionConfig
+from tracerl.rollout.constraints import EditConstraint, VocabularyTexts
 from tracerl.rollout.progress import CollectorProgress
 from tracerl.rollout.sampling import SamplingParams
 from tracerl.trace.schema import ATTEMPT_ENDINGS, Attempt, EndReason
@@ -88,6 +90,11 @@ class CollectorConfig:
     """Score truncated and timed-out attempts with ``env.verify()`` on their final files."""
     compaction: CompactionConfig | None = None
     """Replace long histories with a summary (None: never)."""
+    constrain_edits: bool = False
+    """Constrained decoding of ``replace``'s ``old`` (``rollout.constraints.EditConstraint``):
+    inside that string the sampler may only write a piece of the line the call names (of the
+    environment's open file), closed where it occurs once. Needs a policy that applies
+    decoding rules (``HFPolicy``) and an environment with ``open_file_text()``."""
     progress: bool = False
     """Show a progress bar (attempts, tokens/s, endings) on the terminal."""
     handle_signals: bool = True
@@ -176,8 +183,31 @@ class Collector:
         self._cancelled = threading.Event()
         self.duplicates = 0
         """Attempts the store already held (same id): not written again."""
+        self._vocabulary: VocabularyTexts | None = None
+        if self.config.constrain_edits and "constraints" not in inspect.signature(
+                policy.generate).parameters:
+            raise ValueError(f"constrain_edits: {type(policy).__name__} applies no decoding "
+                             "rules (an HFPolicy does; a served model's guided decoding is "
+                             "not wired in)")
 
     # -- public ---------------------------------------------------------------------------
+
+    def edit_constraint(self, env: Any) -> EditConstraint | None:
+        """The decoding rule for ``env``'s next action (``constrain_edits``), or None."""
+        if not self.config.constrain_edits:
+            return None
+        text = env.open_file_text() if hasattr(env, "open_file_text") else None
+        if text is None:
+            return None
+        if self._vocabulary is None:
+            tokenizer = getattr(self.policy, "tokenizer", None)
+            model = getattr(self.policy, "model", None)
+            if tokenizer is None or model is None:
+                raise ValueError("constrain_edits: the policy has no tokenizer and model to "
+                                 "constrain (use an HFPolicy, or turn it off)")
+            width = int(model.get_output_embeddings().weight.shape[0])
+            self._vocabulary = VocabularyTexts(tokenizer, width)
+        return EditConstraint(self._vocabulary, text)
 
     def collect(self, tasks: Sequence[Any], group_size: int, *,
                 policy_version: int | None = None, run_id: str | None = None) -> CollectResult:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import torch
 
+from tracerl.rollout.constraints import TokenConstraint, apply_constraints
 from tracerl.rollout.fused_llama import (
     FusedLlamaDecoder,
     PackedLlama,
@@ -188,6 +189,7 @@ class HFPolicy:
         params: SamplingParams,
         *,
         row_seeds: Sequence[int] | None = None,
+        constraints: Sequence[TokenConstraint | None] | None = None,
     ) -> list[Completion]:
         """Sample one completion per prompt (token ids), in the order given.
 
@@ -198,11 +200,19 @@ class HFPolicy:
                 generator, so a prompt's completion does not depend on which other prompts share
                 its batch (up to float rounding of batched matrix products). Without it, one
                 generator seeded by ``params.seed`` serves the whole call.
+            constraints: optional rule per prompt (``rollout.constraints``; None for none):
+                before each token the row's completion so far is decoded and the rule's mask
+                applied, and the recorded logprob is the masked distribution's (greedy rows
+                take the masked arg-max).
         """
         prompt_lists = self._check_prompts(prompts)
         if row_seeds is not None and len(row_seeds) != len(prompt_lists):
             raise ValueError(
                 f"row_seeds has {len(row_seeds)} seeds for {len(prompt_lists)} prompts"
+            )
+        if constraints is not None and len(constraints) != len(prompt_lists):
+            raise ValueError(
+                f"constraints has {len(constraints)} rules for {len(prompt_lists)} prompts"
             )
         if params.seed is not None:
             seed = params.seed
@@ -227,8 +237,10 @@ class HFPolicy:
                             torch.Generator(device="cpu").manual_seed(int(s))
                             for s in row_seeds[start : start + self.max_batch_size]
                         ]
+                    rules = (None if constraints is None
+                             else list(constraints[start : start + self.max_batch_size]))
                     results.extend(
-                        self._generate_batch(chunk, params, stop_ids, generators, packed)
+                        self._generate_batch(chunk, params, stop_ids, generators, packed, rules)
                     )
         finally:
             if not fused:
@@ -242,6 +254,7 @@ class HFPolicy:
         stop_ids: tuple[int, ...],
         generators: list[torch.Generator] | torch.Generator,
         packed: PackedLlama | None,
+        constraints: list[TokenConstraint | None] | None = None,
     ) -> list[Completion]:
         device = self._device()
         n_rows = len(prompts)
@@ -300,7 +313,12 @@ class HFPolicy:
         max_stop_len = max((len(s) for s in params.stop_strings), default=0)
         checked_text_len = [0] * n_rows
 
+        constrained = constraints is not None and any(c is not None for c in constraints)
         for step in range(n_steps):
+            if constrained:
+                assert constraints is not None
+                masks = [self._allowed(constraints[r], out_tokens[r, :step]) for r in rows]
+                logits = apply_constraints(logits, masks)
             tokens, token_logprobs = self._sample(logits, params, generators, rows)
             tokens_cpu, logprobs_cpu = tokens.cpu(), token_logprobs.cpu()
             live = [r for r in rows if finish[r] is None]
@@ -349,6 +367,10 @@ class HFPolicy:
                 )
             )
         return completions
+
+    def _allowed(self, rule: TokenConstraint | None, generated: torch.Tensor) -> torch.Tensor | None:
+        """The mask ``rule`` sets for the next token after ``generated`` (None: no rule)."""
+        return None if rule is None else rule.allowed(self.decode(generated.tolist()))
 
     def _sample(
         self,

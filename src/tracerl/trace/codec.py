@@ -137,7 +137,8 @@ def encode_attempt(
                     if k is None:
                         k = samplings[id(sp)] = len(sampling_rows)
                         sampling_rows.append(
-                            [sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens, sp.seed])
+                            [sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens, sp.seed,
+                             sp.constraint])
                     sampling_index.append(k)
                 engine = seg.engine
                 if engine is None:
@@ -342,8 +343,10 @@ _COST_FIELDS = ("generated_tokens", "tool_seconds", "tool_calls", "turns")
 def _sampling(values: tuple[Any, ...]) -> SamplingParams:
     # Most segments of a run share their sampling parameters; the records are immutable, so
     # one object per distinct setting is shared.
-    temperature, top_p, top_k, max_new_tokens, seed = values
-    return SamplingParams(temperature, top_p, top_k, max_new_tokens, seed)
+    # Records written before ``constraint`` existed have five values: no rule was applied.
+    temperature, top_p, top_k, max_new_tokens, seed, *rest = values
+    return SamplingParams(temperature, top_p, top_k, max_new_tokens, seed,
+                          rest[0] if rest else None)
 
 
 def _audit_to_json(a: AuditRecord) -> dict[str, Any]:

@@ -147,6 +147,10 @@ class SamplingParams:
     """Generation cap for this segment (None = none stated)."""
     seed: int | None = None
     """Sampler seed, when the engine was given one."""
+    constraint: str | None = None
+    """The decoding rule that masked the distribution (``"edit_old"``: constrained ``replace``
+    ``old``, ``rollout.constraints``), None when there was none. The segment's logprobs are
+    the masked distribution's."""
 
 
 def token_array(values: ArrayLike, name: str = "token_ids") -> np.ndarray:

@@ -209,6 +209,14 @@ class RolloutConfig:
     """Threads running environment steps (sandboxed test runs) beside generation."""
     system_prompt: str | None = None
     """System message before the first observation."""
+    constrain_edits: bool = False
+    """Constrained decoding of ``replace``'s ``old`` (``rollout.constraints``): inside that
+    string the sampler may only write a piece of the named line of the open file, closed
+    where it occurs once, as grammar-constrained decoding keeps tool calls well-formed. The
+    policy still chooses the tool, the line, the piece and the ``new`` text. Applies to
+    training rollouts and to every evaluation of the run (and is recorded beside saved
+    policies, so ``tracerl eval`` decodes them the same way); the behavior logprob is the
+    masked distribution's, the PPO ratio's old policy the unmasked one (``mismatch.*``)."""
     show_tool_schemas: bool = True
     """Render the tools' JSON schemas into the prompt (long); off: the system prompt alone
     tells the policy about the tools (the tiny demo model's choice)."""

@@ -358,7 +358,8 @@ class Trainer:
             max_new_tokens=rollout.max_attempt_tokens, max_seconds=rollout.max_seconds,
             max_concurrent=rollout.concurrency, max_batch_size=rollout.concurrency,
             env_workers=rollout.env_workers, seed=seed, system_prompt=rollout.system_prompt,
-            tools=tools, compaction=compaction, handle_signals=False)
+            tools=tools, compaction=compaction, handle_signals=False,
+            constrain_edits=rollout.constrain_edits)
         policy: Any = self.policy  # HFPolicy satisfies the collector's SamplingPolicy
         return Collector(policy, self.make_env_factory(tasks), store, config)
 
@@ -711,7 +712,8 @@ class Trainer:
     def _conversation(self) -> str:
         rollout = self.config.rollout
         return conversation_json(tool_schemas_in_prompt=rollout.show_tool_schemas,
-                                 system_prompt=rollout.system_prompt)
+                                 system_prompt=rollout.system_prompt,
+                                 constrain_edits=rollout.constrain_edits)
 
     def final_checkpoint(self) -> Path:
         """The checkpoint of the last completed step, written now if it is not there yet."""
@@ -728,7 +730,8 @@ class Trainer:
         self.tokenizer.save_pretrained(directory)
         rollout = self.config.rollout
         write_conversation(directory, tool_schemas_in_prompt=rollout.show_tool_schemas,
-                           system_prompt=rollout.system_prompt)
+                           system_prompt=rollout.system_prompt,
+                           constrain_edits=rollout.constrain_edits)
         return directory
 
     # -- the weight average (update.ema_decay) -------------------------------------------------
