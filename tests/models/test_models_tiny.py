@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -35,14 +34,7 @@ CODE = (
 )
 CORPUS = [CODE] * 20 + [render_tool_call("run_tests", {})] * 10 + ["fix the bug in add"] * 5
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny matrices: a second intra-op thread only adds synchronisation, and on a shared
-    # machine it can make each step many times slower.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 
