@@ -55,16 +55,16 @@ class VocabularyTexts:
         self.width = width
         self.heads: list[str] = []
         """The text of each token before its first quote (the whole text without one)."""
-        quoted = torch.zeros(width, dtype=torch.bool)
+        self.quoted: list[bool] = []
+        """Whether each token's text contains a quote: such a token closes the string."""
         special = set(getattr(tokenizer, "all_special_ids", []) or [])
         for token_id in range(size):
             text = "" if token_id in special else str(tokenizer.decode([token_id]))
             head, quote, _ = text.partition('"')
             self.heads.append(head if text else "\0")  # "\0" is in no line: never allowed
-            quoted[token_id] = bool(quote)
+            self.quoted.append(bool(quote))
         self.heads.extend("\0" for _ in range(size, width))
-        self.quoted = quoted
-        """Tokens whose text contains a quote: they close the string."""
+        self.quoted.extend(False for _ in range(size, width))
 
 
 def _json_body(text: str) -> str:
@@ -109,7 +109,7 @@ class EditConstraint:
         self.vocabulary = vocabulary
         self.lines = file_text.splitlines()
         self.file_text = file_text
-        self._cache: dict[tuple[int | None, str], torch.Tensor | None] = {}
+        self._cache: dict[tuple[str, str], torch.Tensor | None] = {}
 
     def scope(self, arguments: str) -> str | None:
         """The text ``old`` is searched in, given the call's arguments written before it."""
@@ -125,38 +125,32 @@ class EditConstraint:
         written = open_string(text)
         if written is None:
             return None
-        arguments = text[: len(text) - len(written)]
-        line = _LINE.search(arguments)
-        key = (int(line.group(1)) if line else None, written)
-        if _PATH.search(arguments):
-            return None
-        if key not in self._cache:
-            self._cache[key] = self._mask(arguments, written)
-        return self._cache[key]
-
-    def _mask(self, arguments: str, written: str) -> torch.Tensor | None:
-        scope = self.scope(arguments)
+        scope = self.scope(text[: len(text) - len(written)])
         if scope is None:
             return None
+        key = (scope, written)
+        if key not in self._cache:  # a group's samples write the same prefixes
+            self._cache[key] = self._mask(scope, written)
+        return self._cache[key]
+
+    def _mask(self, scope: str, written: str) -> torch.Tensor | None:
         body = _json_body(scope)
         if written not in body:
             return None  # already off the text (cannot happen under the mask): say nothing
         closable = bool(written) and not _odd_backslashes(written) and _count(scope, written) == 1
-        vocabulary = self.vocabulary
-        mask = torch.zeros(vocabulary.width, dtype=torch.bool)
-        for token_id, head in enumerate(vocabulary.heads):
-            if vocabulary.quoted[token_id]:
+        keep: list[bool] = []
+        for head, quoted in zip(self.vocabulary.heads, self.vocabulary.quoted, strict=True):
+            if not quoted:
+                keep.append(bool(head) and (written + head) in body)
+            elif not head:
+                keep.append(closable)
+            else:
                 # Closes the string after `head`: allowed when what is then written is a
                 # piece of the text occurring once.
-                if head == "":
-                    mask[token_id] = closable
-                else:
-                    whole = written + head
-                    mask[token_id] = (whole in body and not _odd_backslashes(whole)
-                                      and _count(scope, whole) == 1)
-            elif head and (written + head) in body:
-                mask[token_id] = True
-        return mask if bool(mask.any()) else None
+                whole = written + head
+                keep.append(whole in body and not _odd_backslashes(whole)
+                            and _count(scope, whole) == 1)
+        return torch.tensor(keep, dtype=torch.bool) if any(keep) else None
 
 
 def _odd_backslashes(written: str) -> bool:
