@@ -91,6 +91,10 @@ class Trainer:
         self.started = time.perf_counter()
         self.last_metrics: dict[str, Any] = {}
         self.steps_here = 0
+        self.before_turns = 0.0
+        """Mean turns per attempt of the sampled evaluation before RL."""
+        self.recent_turns = 0.0
+        """Mean turns per attempt of the latest RL step's attempts."""
         """RL steps run by this process (a resumed run counts from its restart)."""
         self.step_seconds = 0.0
         """Wall seconds of those steps."""
@@ -108,6 +112,8 @@ class Trainer:
         ranks.sync_parameters(self.actor, self.world_size)
         self.start_weight_average()
         before = self.evaluate_once("before", steps=0, policy="warm start")
+        sampled = before["sampled"]
+        self.before_turns = sampled.get("turns", 0) / max(sampled.get("attempts", 0), 1)
         with StepProgress(self.config.steps, enabled=self.config.progress,
                           done=self.state.step) as progress:
             while ranks.share(self.state.step < self.config.steps and self.time_left_for_step()
@@ -685,6 +691,7 @@ class Trainer:
         self.state.elapsed_seconds += step_seconds
         self.steps_here += 1
         self.step_seconds += step_seconds
+        self.recent_turns = float(metrics["horizon"]["turns"])
         self.metrics.write(self.state.step, metrics)
         self.last_metrics = metrics
         self.log(f"step {self.state.step}: reward {metrics['reward']['mean']:.3f}, "
@@ -779,8 +786,14 @@ class Trainer:
         used = time.perf_counter() - self.started
         per_step = self.step_seconds / self.steps_here if self.steps_here else 0.0
         # The final evaluation has the first one's budget and tasks, but a trained policy often
-        # uses more of it (more turns, test runs): allow half as much again.
-        final_eval = 1.5 * self.timings.get("evaluate_before", 0.0)
+        # uses more of it (more turns, test runs): allow half as much again, times the growth
+        # of the attempts (the latest step's turns against the first evaluation's). With 12
+        # turns the demo's attempts grew from 3.9 to 6-7 turns and the final evaluation took
+        # 2.6 times the first; the fixed 1.5 ran the demo 33 s past its budget.
+        growth = 1.0
+        if self.before_turns > 0 and self.recent_turns > 0:
+            growth = max(growth, self.recent_turns / self.before_turns)
+        final_eval = 1.5 * growth * self.timings.get("evaluate_before", 0.0)
         return used + per_step + final_eval < budget
 
     def tokens_left_for_step(self) -> bool:
@@ -833,8 +846,8 @@ class Trainer:
             (self.run_dir / f"eval_{label}_{name}.json").write_text(
                 json.dumps(summary, indent=1), encoding="utf-8")
             out[name] = {k: summary[k] for k in ("success", "ci95", "pass_at_k",
-                                                 "generated_tokens", "tool_seconds",
-                                                 "behaviour", "per_task")}
+                                                 "generated_tokens", "tool_seconds", "turns",
+                                                 "attempts", "behaviour", "per_task")}
         return out
 
     def evaluate_once(self, label: str, *, steps: int, policy: str) -> dict[str, Any]:
