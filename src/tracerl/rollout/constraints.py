@@ -52,7 +52,6 @@ class VocabularyTexts:
 
     def __init__(self, tokenizer: Any, width: int) -> None:
         size = min(len(tokenizer), width)
-        self.width = width
         self.heads: list[str] = []
         """The text of each token before its first quote (the whole text without one)."""
         self.quoted: list[bool] = []
