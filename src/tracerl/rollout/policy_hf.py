@@ -317,7 +317,9 @@ class HFPolicy:
         for step in range(n_steps):
             if constrained:
                 assert constraints is not None
-                masks = [self._allowed(constraints[r], out_tokens[r, :step]) for r in rows]
+                # Finished rows still in the batch need no mask: their tokens are dropped.
+                masks = [self._allowed(constraints[r], out_tokens[r, :step])
+                         if finish[r] is None else None for r in rows]
                 logits = apply_constraints(logits, masks)
             tokens, token_logprobs = self._sample(logits, params, generators, rows)
             tokens_cpu, logprobs_cpu = tokens.cpu(), token_logprobs.cpu()

@@ -91,13 +91,13 @@ class Trainer:
         self.started = time.perf_counter()
         self.last_metrics: dict[str, Any] = {}
         self.steps_here = 0
+        """RL steps run by this process (a resumed run counts from its restart)."""
+        self.step_seconds = 0.0
+        """Wall seconds of those steps."""
         self.before_turns = 0.0
         """Mean turns per attempt of the sampled evaluation before RL."""
         self.recent_turns = 0.0
         """Mean turns per attempt of the latest RL step's attempts."""
-        """RL steps run by this process (a resumed run counts from its restart)."""
-        self.step_seconds = 0.0
-        """Wall seconds of those steps."""
 
     # -- phases -----------------------------------------------------------------------------
 
