@@ -50,6 +50,10 @@ _INSTEAD: dict[str, dict[str, str]] = {"replace": {"old": "line"}}
 """Arguments a call may leave out when another is given: ``replace`` without ``old`` rewrites
 its ``line``. Not ``required`` in the schema; refused at parse time when neither is given."""
 
+ARGUMENT_ALTERNATIVES: dict[str, tuple[tuple[str, ...], ...]] = {
+    name: tuple(pair.items()) for name, pair in _INSTEAD.items()}
+"""Per tool, the sets of arguments of which a call must give at least one (``replace``: ``old``
+or ``line``); what a tool-call grammar needs besides the schemas' ``required``."""
 _OPEN_FILE = ("string", "File, relative to the repository root; default: the open file (the "
                         "last one viewed; at first the task's first editable file).")
 _OPTIONAL: dict[str, dict[str, tuple[str, str]]] = {

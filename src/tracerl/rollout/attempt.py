@@ -183,7 +183,7 @@ class AttemptRunner:
             if cap <= 0:
                 return _Ending(EndReason.TRUNCATED_TOKENS, list(state.pending), score=True)
             t0 = time.perf_counter()
-            rule = self.collector.edit_constraint(env)
+            rule = self.collector.decoding_rule(env)
             try:
                 completion = await asyncio.wait_for(
                     self.batcher.generate(prompt, cap, _turn_seed(spec.seed, state.actions),

@@ -38,11 +38,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from tracerl.envs.tools import ARGUMENT_ALTERNATIVES, TOOL_SCHEMAS
 from tracerl.rollout.attempt import AttemptRunner, AttemptSpec
 from tracerl.rollout.batching import GenerationBatcher, SamplingPolicy
 from tracerl.rollout.chat_tokens import ChatTokens, ObservationRole
 from tracerl.rollout.compaction import CompactionConfig
-from tracerl.rollout.constraints import EditConstraint, VocabularyTexts
+from tracerl.rollout.constraints import EditConstraint, TokenConstraint, VocabularyTexts
+from tracerl.rollout.grammar import AllRules, ToolCallGrammar, tool_specs
 from tracerl.rollout.progress import CollectorProgress
 from tracerl.rollout.sampling import SamplingParams
 from tracerl.trace.schema import ATTEMPT_ENDINGS, Attempt, EndReason
@@ -95,6 +97,11 @@ class CollectorConfig:
     inside that string the sampler may only write a piece of the line the call names (of the
     environment's open file), closed where it occurs once. Needs a policy that applies
     decoding rules (``HFPolicy``) and an environment with ``open_file_text()``."""
+    constrain_calls: bool = False
+    """Grammar-constrained tool calls (``rollout.grammar.ToolCallGrammar``): every action is
+    one well-formed call of one of the environment's tools (its ``tool_schemas``, else
+    tracerl's coding tools), then the end of the turn. Needs a policy that applies decoding
+    rules (``HFPolicy``)."""
     progress: bool = False
     """Show a progress bar (attempts, tokens/s, endings) on the terminal."""
     handle_signals: bool = True
@@ -184,13 +191,46 @@ class Collector:
         self.duplicates = 0
         """Attempts the store already held (same id): not written again."""
         self._vocabulary: VocabularyTexts | None = None
-        if self.config.constrain_edits and "constraints" not in inspect.signature(
-                policy.generate).parameters:
-            raise ValueError(f"constrain_edits: {type(policy).__name__} applies no decoding "
-                             "rules (an HFPolicy does; a served model's guided decoding is "
-                             "not wired in)")
+        self._grammar: ToolCallGrammar | None = None
+        for option in ("constrain_edits", "constrain_calls"):
+            if getattr(self.config, option) and "constraints" not in inspect.signature(
+                    policy.generate).parameters:
+                raise ValueError(f"{option}: {type(policy).__name__} applies no decoding "
+                                 "rules (an HFPolicy does; a served model's guided decoding "
+                                 "is not wired in)")
 
     # -- public ---------------------------------------------------------------------------
+
+    def decoding_rule(self, env: Any) -> TokenConstraint | None:
+        """The decoding rules for ``env``'s next action (``constrain_calls`` and
+        ``constrain_edits``, each where on), combined; None when neither applies."""
+        rules: list[TokenConstraint] = []
+        if self.config.constrain_calls:
+            rules.append(self.call_grammar(env).rule())
+        edit = self.edit_constraint(env)
+        if edit is not None:
+            rules.append(edit)
+        if not rules:
+            return None
+        return rules[0] if len(rules) == 1 else AllRules(rules)
+
+    def call_grammar(self, env: Any) -> ToolCallGrammar:
+        """The tool-call grammar (``constrain_calls``), built once from the first environment's
+        tool schemas and the policy's vocabulary."""
+        if self._grammar is None:
+            tokenizer = getattr(self.policy, "tokenizer", None)
+            model = getattr(self.policy, "model", None)
+            if tokenizer is None or model is None:
+                raise ValueError("constrain_calls: the policy has no tokenizer and model to "
+                                 "constrain (use an HFPolicy, or turn it off)")
+            schemas = getattr(env, "tool_schemas", None) or TOOL_SCHEMAS
+            end_ids = self.config.sampling.stop_token_ids
+            if end_ids is None:
+                end_ids = tuple(getattr(self.policy, "eos_ids", ()))
+            width = int(model.get_output_embeddings().weight.shape[0])
+            self._grammar = ToolCallGrammar(tool_specs(schemas, ARGUMENT_ALTERNATIVES),
+                                            tokenizer, width, end_ids)
+        return self._grammar
 
     def edit_constraint(self, env: Any) -> EditConstraint | None:
         """The decoding rule for ``env``'s next action (``constrain_edits``), or None."""

@@ -37,6 +37,9 @@ _PATH = re.compile(r'"path"\s*:')
 class TokenConstraint(Protocol):
     """A rule the sampler applies to one row: which tokens may come next, given its text."""
 
+    name: str
+    """How traces name the rule (``SamplingParams.constraint``)."""
+
     def allowed(self, text: str) -> torch.Tensor | None:
         """A bool mask over the vocabulary for the next token after ``text`` (the completion
         so far, decoded), or None where the rule says nothing."""
@@ -171,8 +174,7 @@ def apply_constraints(logits: torch.Tensor, masks: Sequence[torch.Tensor | None]
     is None untouched)."""
     if all(mask is None for mask in masks):
         return logits
-    out = logits.clone()
-    for row, mask in enumerate(masks):
-        if mask is not None:
-            out[row, ~mask[: out.shape[-1]].to(out.device)] = float("-inf")
-    return out
+    width = logits.shape[-1]
+    everything = torch.ones(width, dtype=torch.bool)
+    keep = torch.stack([everything if mask is None else mask[:width] for mask in masks])
+    return logits.masked_fill(~keep.to(logits.device), float("-inf"))

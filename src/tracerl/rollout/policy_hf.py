@@ -129,6 +129,11 @@ class HFPolicy:
         self._pad_id = self._first_id(getattr(tokenizer, "pad_token_id", None), default=0)
         self._eos_ids = self._eos_token_ids()
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The tokens that end a completion when ``SamplingParams.stop_token_ids`` is None."""
+        return self._eos_ids
+
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> HFPolicy:
         """Load a local directory (or a hub name, if the caller allows downloads) in float32."""

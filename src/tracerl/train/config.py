@@ -217,6 +217,12 @@ class RolloutConfig:
     training rollouts and to every evaluation of the run (and is recorded beside saved
     policies, so ``tracerl eval`` decodes them the same way); the behavior logprob is the
     masked distribution's, the PPO ratio's old policy the unmasked one (``mismatch.*``)."""
+    constrain_calls: bool = False
+    """Grammar-constrained tool calls (``rollout.grammar``): the sampler only draws tokens
+    that keep an action one well-formed call of one of the environment's tools, as serving
+    stacks' structured output for function calling does; what the call says stays the
+    policy's. Recorded beside saved policies like ``constrain_edits``, with the same
+    accounting (behavior logprob masked, old/new unmasked: ``mismatch.*``)."""
     show_tool_schemas: bool = True
     """Render the tools' JSON schemas into the prompt (long); off: the system prompt alone
     tells the policy about the tools (the tiny demo model's choice)."""
