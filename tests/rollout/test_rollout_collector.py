@@ -18,6 +18,7 @@ import torch
 
 from tracerl.envs import TOOL_SCHEMAS, CodingEnv, FaultConfig, Sandbox
 from tracerl.envs.suite import generate_split
+from tracerl.envs.tools import parse_tool_call
 from tracerl.eval.scripted import ScriptedPolicy
 from tracerl.models.tiny import build_tiny_model, render_tool_call, train_tokenizer
 from tracerl.rollout.collector import Collector, CollectorConfig, attempt_seed
@@ -352,3 +353,40 @@ def test_constrain_edits_gives_each_turn_the_open_files_rule_and_records_it(
     assert seen and all(rule is None for rule in seen)
     assert all(s.sampling.constraint is None for f in plain.attempts[0].fragments
                for t in f.turns for s in t.segments if s.role is Role.ACTION)
+
+
+def test_constrain_calls_with_edits_gives_each_turn_both_rules_and_records_them(
+        toy: RecordingPolicy, tasks: list[Any], sandbox: Sandbox, tmp_path: Path) -> None:
+    from tracerl.rollout.grammar import AllRules, ToolCallRule
+
+    seen: list[Any] = []
+    original = toy.generate
+
+    def generate(prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 row_seeds: Sequence[int] | None = None,
+                 constraints: Sequence[Any] | None = None) -> list[Completion]:
+        seen.extend(constraints or [None] * len(prompts))
+        return original(prompts, params, row_seeds=row_seeds, constraints=constraints)
+
+    toy.generate = generate  # type: ignore[method-assign]
+    try:
+        with TraceStore(tmp_path / "store") as store:
+            collector = _collector(toy, tasks[:1], sandbox, store, constrain_edits=True,
+                                   constrain_calls=True, max_turns=2)
+            result = collector.collect(tasks[:1], 1, run_id="c")
+    finally:
+        del toy.generate
+    assert seen and all(isinstance(rule, AllRules) for rule in seen)
+    # A fresh grammar state per turn, one grammar (and its mask cache) per collector.
+    grammar_rules = [rule.rules[0] for rule in seen]
+    assert all(isinstance(rule, ToolCallRule) for rule in grammar_rules)
+    assert len({id(rule) for rule in grammar_rules}) == len(seen)
+    assert len({id(rule.grammar) for rule in grammar_rules}) == 1
+    actions = [s for f in result.attempts[0].fragments for t in f.turns for s in t.segments
+               if s.role is Role.ACTION]
+    assert actions and all(s.sampling.constraint == "tool_call+edit_old" for s in actions)
+    # Every action the grammar let end is a call the environment parses.
+    for action in actions:
+        text = toy.decode(action.token_ids.tolist())
+        if text.endswith("</tool_call>"):
+            assert parse_tool_call(text).call is not None, text
