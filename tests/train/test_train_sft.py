@@ -495,3 +495,37 @@ def test_train_seed_redraws_the_train_split_only(tmp_path) -> None:
     assert [t.files for t in other_train[:6]] == [
         t.files for t in generate_split("train", 5, 6, composed=True)]
     assert [t.files for t in other_train] != [t.files for t in default_train]
+
+
+def test_length_window_regroups_each_window_by_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tracerl.train.sft as sft
+
+    tokenizer = train_tokenizer(["def f(x):\n    return x + 1\n"] * 4, vocab_size=300)
+    sequences = [([5 + (k % 7)] * (3 + k), [True] * (3 + k)) for k in range(16)]
+    seen: list[list[int]] = []
+    original = sft.pad_sequences
+
+    def recording(rows: list[tuple[list[int], list[bool]]], pad_id: int):  # type: ignore[no-untyped-def]
+        seen.append(sorted(len(ids) for ids, _ in rows))
+        return original(rows, pad_id)
+
+    monkeypatch.setattr(sft, "pad_sequences", recording)
+    batches = {}
+    for window in (1, 4):
+        seen.clear()
+        model = build_tiny_model(tokenizer)
+        result = supervised_finetune(model, sequences, steps=8, batch_size=2, lr=1e-3, seed=0,
+                                     pad_id=0, length_window=window)
+        assert result.steps == 8
+        batches[window] = [list(b) for b in seen]
+    for start in (0, 4):  # each window of 4 batches holds the same 8 sequences either way
+        plain = sorted(n for b in batches[1][start:start + 4] for n in b)
+        grouped = batches[4][start:start + 4]
+        assert sorted(n for b in grouped for n in b) == plain
+        # Regrouped: the batches cut the window's sorted lengths into consecutive pairs.
+        assert sorted(grouped) == [plain[k:k + 2] for k in range(0, 8, 2)]
+    padded = {w: sum(max(b) * len(b) for b in batches[w]) for w in (1, 4)}
+    assert padded[4] < padded[1]
+    with pytest.raises(ValueError, match="length_window: must be an integer >= 1"):
+        supervised_finetune(build_tiny_model(tokenizer), sequences, steps=1, batch_size=2,
+                            lr=1e-3, seed=0, pad_id=0, length_window=0)

@@ -108,6 +108,12 @@ class SFTConfig:
     """Wall-clock limit of the warm start; None: run all steps."""
     batch_size: int = 16
     """Demonstrations per optimizer step."""
+    length_window: int = 1
+    """Batches drawn at a time and regrouped by length (transformers' ``group_by_length``):
+    the ``length_window * batch_size`` demonstrations drawn next are sorted by token count,
+    cut into batches, and the batches shuffled, so a batch pads to a similar length. 1: each
+    batch as drawn. The demonstrations seen and their order per window are unchanged; only
+    which ones share a batch (and the padding computed) changes."""
     lr: float = 3e-3
     """Peak learning rate (AdamW, cosine decay to 10% after a short warm-up)."""
     demos_per_task: int = 4
@@ -645,6 +651,7 @@ def validate(config: TrainConfig) -> None:
         "update.minibatches": u.minibatches, "update.micro_batch_rows": u.micro_batch_rows,
         "eval.samples_per_task": config.eval.samples_per_task,
         "sft.batch_size": config.sft.batch_size, "sft.demos_per_task": config.sft.demos_per_task,
+        "sft.length_window": config.sft.length_window,
         "model.hidden_size": config.model.hidden_size, "model.num_layers": config.model.num_layers,
         "model.num_heads": config.model.num_heads, "tasks.train_count": config.tasks.train_count,
         "tasks.heldout_count": config.tasks.heldout_count,

