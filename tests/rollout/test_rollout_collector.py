@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -311,8 +312,9 @@ def test_restart_continues_the_attempt_in_a_fresh_context(
     assert read_attempts(tmp_path / "s") == [attempt]
 
 
-def test_constrain_edits_gives_each_turn_the_open_files_rule_and_records_it(
-        toy: RecordingPolicy, tasks: list[Any], sandbox: Sandbox, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _rules_seen(toy: RecordingPolicy) -> Iterator[list[Any]]:
+    """Record the decoding rule the collector passes with each prompt (None: none)."""
     seen: list[Any] = []
     original = toy.generate
 
@@ -324,11 +326,16 @@ def test_constrain_edits_gives_each_turn_the_open_files_rule_and_records_it(
 
     toy.generate = generate  # type: ignore[method-assign]
     try:
-        with TraceStore(tmp_path / "store") as store:
-            result = _collector(toy, tasks[:1], sandbox, store, constrain_edits=True,
-                                max_turns=2).collect(tasks[:1], 1, run_id="c")
+        yield seen
     finally:
         del toy.generate
+
+
+def test_constrain_edits_gives_each_turn_the_open_files_rule_and_records_it(
+        toy: RecordingPolicy, tasks: list[Any], sandbox: Sandbox, tmp_path: Path) -> None:
+    with _rules_seen(toy) as seen, TraceStore(tmp_path / "store") as store:
+        result = _collector(toy, tasks[:1], sandbox, store, constrain_edits=True,
+                            max_turns=2).collect(tasks[:1], 1, run_id="c")
     attempt = result.attempts[0]
     env = CodingEnv(tasks[:1], sandbox=sandbox)
     env.reset(options={"task_id": tasks[0].id})
@@ -344,12 +351,8 @@ def test_constrain_edits_gives_each_turn_the_open_files_rule_and_records_it(
     assert [s.sampling for f in stored.fragments for t in f.turns for s in t.segments
             if s.role is Role.ACTION] == [s.sampling for s in actions]
     # Off (the default), no rule is passed and none is recorded.
-    seen.clear()
-    toy.generate = generate  # type: ignore[method-assign]
-    try:
+    with _rules_seen(toy) as seen:
         plain = _collector(toy, tasks[:1], sandbox, None, max_turns=2).collect(tasks[:1], 1)
-    finally:
-        del toy.generate
     assert seen and all(rule is None for rule in seen)
     assert all(s.sampling.constraint is None for f in plain.attempts[0].fragments
                for t in f.turns for s in t.segments if s.role is Role.ACTION)
@@ -359,23 +362,9 @@ def test_constrain_calls_with_edits_gives_each_turn_both_rules_and_records_them(
         toy: RecordingPolicy, tasks: list[Any], sandbox: Sandbox, tmp_path: Path) -> None:
     from tracerl.rollout.grammar import AllRules, ToolCallRule
 
-    seen: list[Any] = []
-    original = toy.generate
-
-    def generate(prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 row_seeds: Sequence[int] | None = None,
-                 constraints: Sequence[Any] | None = None) -> list[Completion]:
-        seen.extend(constraints or [None] * len(prompts))
-        return original(prompts, params, row_seeds=row_seeds, constraints=constraints)
-
-    toy.generate = generate  # type: ignore[method-assign]
-    try:
-        with TraceStore(tmp_path / "store") as store:
-            collector = _collector(toy, tasks[:1], sandbox, store, constrain_edits=True,
-                                   constrain_calls=True, max_turns=2)
-            result = collector.collect(tasks[:1], 1, run_id="c")
-    finally:
-        del toy.generate
+    with _rules_seen(toy) as seen, TraceStore(tmp_path / "store") as store:
+        result = _collector(toy, tasks[:1], sandbox, store, constrain_edits=True,
+                            constrain_calls=True, max_turns=2).collect(tasks[:1], 1, run_id="c")
     assert seen and all(isinstance(rule, AllRules) for rule in seen)
     # A fresh grammar state per turn, one grammar (and its mask cache) per collector.
     grammar_rules = [rule.rules[0] for rule in seen]

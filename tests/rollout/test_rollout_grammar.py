@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import pytest
 import torch
 
 from tracerl.envs.tools import ARGUMENT_ALTERNATIVES, TOOL_SCHEMAS, parse_tool_call
-from tracerl.models.tiny import TinyModelConfig, build_tiny_model, render_tool_call, train_tokenizer
+from tracerl.models.tiny import render_tool_call
 from tracerl.rollout import HFPolicy, SamplingParams
 from tracerl.rollout.constraints import EditConstraint, VocabularyTexts
 from tracerl.rollout.grammar import AllRules, ToolCallGrammar, tool_specs
@@ -29,11 +31,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def policy() -> HFPolicy:
-    tokenizer = train_tokenizer(CORPUS, vocab_size=400)
-    config = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                             max_positions=256)
-    return HFPolicy(build_tiny_model(tokenizer, config, seed=0), tokenizer)
+def policy(tiny_policy_on: Callable[[Sequence[str], int], HFPolicy]) -> HFPolicy:
+    return tiny_policy_on(CORPUS, 256)
 
 
 @pytest.fixture(scope="module")

@@ -218,19 +218,23 @@ class Collector:
         """The tool-call grammar (``constrain_calls``), built once from the first environment's
         tool schemas and the policy's vocabulary."""
         if self._grammar is None:
-            tokenizer = getattr(self.policy, "tokenizer", None)
-            model = getattr(self.policy, "model", None)
-            if tokenizer is None or model is None:
-                raise ValueError("constrain_calls: the policy has no tokenizer and model to "
-                                 "constrain (use an HFPolicy, or turn it off)")
+            tokenizer, width = self._vocabulary_of_policy("constrain_calls")
             schemas = getattr(env, "tool_schemas", None) or TOOL_SCHEMAS
             end_ids = self.config.sampling.stop_token_ids
             if end_ids is None:
                 end_ids = tuple(getattr(self.policy, "eos_ids", ()))
-            width = int(model.get_output_embeddings().weight.shape[0])
             self._grammar = ToolCallGrammar(tool_specs(schemas, ARGUMENT_ALTERNATIVES),
                                             tokenizer, width, end_ids)
         return self._grammar
+
+    def _vocabulary_of_policy(self, option: str) -> tuple[Any, int]:
+        """The policy's tokenizer and output width, which a decoding rule masks over."""
+        tokenizer = getattr(self.policy, "tokenizer", None)
+        model = getattr(self.policy, "model", None)
+        if tokenizer is None or model is None:
+            raise ValueError(f"{option}: the policy has no tokenizer and model to constrain "
+                             "(use an HFPolicy, or turn it off)")
+        return tokenizer, int(model.get_output_embeddings().weight.shape[0])
 
     def edit_constraint(self, env: Any) -> EditConstraint | None:
         """The decoding rule for ``env``'s next action (``constrain_edits``), or None."""
@@ -240,13 +244,7 @@ class Collector:
         if text is None:
             return None
         if self._vocabulary is None:
-            tokenizer = getattr(self.policy, "tokenizer", None)
-            model = getattr(self.policy, "model", None)
-            if tokenizer is None or model is None:
-                raise ValueError("constrain_edits: the policy has no tokenizer and model to "
-                                 "constrain (use an HFPolicy, or turn it off)")
-            width = int(model.get_output_embeddings().weight.shape[0])
-            self._vocabulary = VocabularyTexts(tokenizer, width)
+            self._vocabulary = VocabularyTexts(*self._vocabulary_of_policy("constrain_edits"))
         return EditConstraint(self._vocabulary, text)
 
     def collect(self, tasks: Sequence[Any], group_size: int, *,
