@@ -112,8 +112,9 @@ class SFTConfig:
     """Batches drawn at a time and regrouped by length (transformers' ``group_by_length``):
     the ``length_window * batch_size`` demonstrations drawn next are sorted by token count,
     cut into batches, and the batches shuffled, so a batch pads to a similar length. 1: each
-    batch as drawn. The demonstrations seen and their order per window are unchanged; only
-    which ones share a batch (and the padding computed) changes."""
+    batch as drawn. Which demonstrations each window holds is unchanged; which ones share a
+    batch (and the padding computed) changes, and so do their fresh names (``fresh_names``
+    draws from the same generator as the shuffle)."""
     lr: float = 3e-3
     """Peak learning rate (AdamW, cosine decay to 10% after a short warm-up)."""
     demos_per_task: int = 4

@@ -517,8 +517,8 @@ def supervised_finetune(model: torch.nn.Module, sequences: Sequence[tuple[list[i
     drawn, so names cannot be memorised).
 
     ``length_window`` > 1 draws that many batches at a time, sorts their sequences by length,
-    cuts them into batches again and shuffles those (transformers' ``group_by_length``): the
-    same sequences in the same windows, with far less padding computed (28% of a batch's
+    cuts them into batches again and shuffles those with ``rng`` (transformers'
+    ``group_by_length``): the same sequences in the same windows, with far less padding computed (28% of a batch's
     cells were padding for the demo's demonstrations; 0.22 -> 0.17 s per step)."""
     if not sequences:
         raise ValueError("sequences: no demonstration to train on")
