@@ -20,7 +20,8 @@ line, what text) stays the policy's choice; only text no parser would accept is 
 How: the text so far is run through a small deterministic character machine whose states are
 hashable tuples. The mask of a state is found once by walking a trie of the vocabulary's token
 texts from it (a token is allowed when every character of it is) and cached for the run:
-a few hundred states cover every call. Each row's rule (``ToolCallRule``) keeps its machine
+the 3,230 actions of a demo-sized run's evaluations passed through 150 distinct states at
+token boundaries. Each row's rule (``ToolCallRule``) keeps its machine
 state and advances it over the characters the row added since the last token.
 
 Accounting is as for ``rollout.constraints``: the mask is part of the sampled distribution,
