@@ -52,6 +52,8 @@ def test_overrides_are_typed() -> None:
     ("update.sft_coef=-0.5", "update.sft_coef: must be >= 0"),
     ("sft.edit_anchor=-1", "sft.edit_anchor: must be >= 0"),
     ("update.ema_decay=1.0", "update.ema_decay: must be in .0, 1) or null, got 1.0"),
+    ("rollout.threads=0", "rollout.threads: must be >= 1 or null, got 0"),
+    ("threads=0", "threads: must be >= 1 or null, got 0"),
 ])
 def test_bad_keys_and_types_are_refused_by_name(override: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -464,11 +465,19 @@ class FusedLlamaDecoder:
         position_ids: torch.Tensor,
         *,
         all_positions: bool = False,
+        past: Sequence[torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """Run left-padded prompts ``(B, S)``; logits ``(B, V)`` of the last column.
 
         Each length group is one pass over only its own columns. With ``all_positions``, logits
-        ``(B, S, V)`` of every column (zeros where a group did not compute: padding only).
+        ``(B, S, V)`` of every column (zeros where a group did not compute: padding, and the
+        columns ``past`` supplied).
+
+        ``past[r]`` (None: nothing) holds the keys and values of row ``r``'s first ``P``
+        tokens as ``row_cache`` returns them, ``(layers, 2, H_kv, P, D)`` with ``P`` below the
+        row's length: a conversation's earlier turns, so that only the new tokens are computed.
+        A group then runs from its longest new part, so a row whose new part is shorter
+        recomputes its last cached tokens (same values, up to float rounding).
         """
         if self.width:
             raise ValueError("prefill must be the first call on a decoder")
@@ -479,6 +488,8 @@ class FusedLlamaDecoder:
         lengths = valid.sum(dim=1)
         if not bool((valid[:, 1:] >= valid[:, :-1]).all()) or not bool(valid[:, -1].all()):
             raise ValueError("prompt_mask must be left padding: each row's real tokens end last")
+        if past is not None and len(past) != batch:
+            raise ValueError(f"past has {len(past)} entries for {batch} rows")
         self.order = torch.sort(lengths, stable=True).indices
         self.inverse = torch.argsort(self.order)
         self.lengths = lengths[self.order].tolist()
@@ -486,26 +497,54 @@ class FusedLlamaDecoder:
         self._regroup()
         ids, valid, positions = input_ids[self.order], valid[self.order], position_ids[self.order]
         self.valid[:, :width] = valid
+        cached = [0] * batch  # tokens supplied by ``past``, per internal row
+        if past is not None:
+            for internal, row in enumerate(self.order.tolist()):
+                kv = past[row]
+                if kv is None:
+                    continue
+                n = int(kv.shape[-2])
+                if not 0 < n < self.lengths[internal]:
+                    raise ValueError(f"past[{row}] holds {n} tokens of a {self.lengths[internal]}"
+                                     "-token prompt: it must hold at least one and leave one")
+                column = width - self.lengths[internal]
+                self.kv[:, :, internal, :, column : column + n] = kv
+                cached[internal] = n
         outputs = []
         for a, b, first in self.groups:
-            seq = width - first
-            causal = torch.ones((seq, seq), dtype=torch.bool, device=self.device).tril()
+            keys = width - first
+            seq = max(self.lengths[r] - cached[r] for r in range(a, b))  # new columns to compute
+            start = width - seq
+            # Query q (column start + q) sees key k (column first + k) for k <= q + keys - seq.
+            causal = torch.ones((seq, keys), dtype=torch.bool, device=self.device).tril(keys - seq)
             # A padding query may see itself: a row with nothing to attend to would give NaN,
             # and NaN values in the cache would poison real queries even at zero weight.
-            own = torch.eye(seq, dtype=torch.bool, device=self.device)
-            mask = (causal & (valid[a:b, None, first:] | own)).unsqueeze(1)  # (b, 1, S, S)
-            self.width = first
+            own = torch.zeros((seq, keys), dtype=torch.bool, device=self.device)
+            own[torch.arange(seq), torch.arange(keys - seq, keys)] = True
+            mask = (causal & (valid[a:b, None, first:] | own)).unsqueeze(1)  # (b, 1, seq, keys)
+            self.width = start
             hidden = self._forward(
-                ids[a:b, first:], positions[a:b, first:], (a, b), [(0, b - a, first, mask)]
+                ids[a:b, start:], positions[a:b, start:], (a, b), [(0, b - a, first, mask)]
             )
             if not all_positions:
                 hidden = hidden[:, -1]
-            elif first:
-                hidden = torch.cat([hidden.new_zeros(b - a, first, hidden.shape[-1]), hidden], dim=1)
+            elif start:
+                hidden = torch.cat([hidden.new_zeros(b - a, start, hidden.shape[-1]), hidden], dim=1)
             outputs.append(hidden)
         self.width = width
         hidden = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         return F.linear(hidden[self.inverse], self.packed.head, self.packed.head_bias)
+
+    def row_cache(self, row: int, length: int) -> torch.Tensor:
+        """A copy of the keys and values of the caller's row ``row``'s first ``length`` tokens
+        (its prompt, then the tokens ``step`` fed), ``(layers, 2, H_kv, length, D)``: what
+        ``prefill(past=...)`` takes for a later prompt that starts with those tokens."""
+        internal = int(self.inverse[row])
+        column = self.prompt_width - self.lengths[internal]
+        if not 0 < length <= self.width - column:
+            raise ValueError(f"row {row} has {self.width - column} cached tokens, "
+                             f"{length} requested")
+        return self.kv[:, :, internal, :, column : column + length].clone()
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Append one token per row (``(B,)`` ids at ``(B, 1)`` positions); logits ``(B, V)``."""

@@ -31,6 +31,7 @@ from tracerl.rollout.fused_llama import (
     pack_llama,
     unsupported_reason,
 )
+from tracerl.rollout.prefix_cache import PrefixCache
 from tracerl.rollout.sampling import SamplingParams, processed_logprobs
 
 FinishReason = Literal["stop", "length"]
@@ -96,6 +97,7 @@ class HFPolicy:
         max_batch_size: int = 64,
         cache: CacheKind = "auto",
         decode: DecodeKind = "auto",
+        prefix_cache_bytes: int = 256 * 2**20,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -128,6 +130,10 @@ class HFPolicy:
         self._static = supports_static if cache == "auto" else cache == "static"
         self._pad_id = self._first_id(getattr(tokenizer, "pad_token_id", None), default=0)
         self._eos_ids = self._eos_token_ids()
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        """Keys and values of earlier calls' rows (fused path; ``rollout.prefix_cache``): a
+        prompt that extends one (a conversation's next turn) computes only its new tokens.
+        ``prefix_cache_bytes=0`` turns it off."""
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -234,6 +240,8 @@ class HFPolicy:
             with torch.inference_mode():
                 # Packed from the weights as they are now: a trainer's update is always seen.
                 packed = pack_llama(self.model, check=False) if fused else None
+                if fused:  # and keys and values of other weights are never reused
+                    self.prefix_cache.check_weights(self._weights_identity())
                 for start in range(0, len(prompt_lists), self.max_batch_size):
                     chunk = prompt_lists[start : start + self.max_batch_size]
                     generators: list[torch.Generator] | torch.Generator = shared
@@ -285,23 +293,26 @@ class HFPolicy:
         position_ids = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
         total_width = prompt_width + n_steps
         decoder: FusedLlamaDecoder | _HFDecoder
+        reuse = packed is not None and self.prefix_cache.max_bytes > 0
         if packed is not None:
             # Identical prompts (a group's G samples) are prefilled once; the cache is copied.
             first_row: dict[tuple[int, ...], int] = {}
             for row, prompt in enumerate(prompts):
                 first_row.setdefault(tuple(prompt), row)
+            past = self._past(list(first_row)) if reuse else None
             if len(first_row) < n_rows:
                 at = torch.tensor(list(first_row.values()), dtype=torch.long, device=device)
                 slot = {key: i for i, key in enumerate(first_row)}
                 copies = torch.tensor([slot[tuple(p)] for p in prompts], dtype=torch.long,
                                       device=device)
                 decoder = FusedLlamaDecoder(packed, len(first_row), total_width)
-                logits = decoder.prefill(input_ids[at], prompt_mask[at], position_ids[at])
+                logits = decoder.prefill(input_ids[at], prompt_mask[at], position_ids[at],
+                                         past=past)
                 decoder.repeat_rows(copies)
                 logits = logits[copies]
             else:
                 decoder = FusedLlamaDecoder(packed, n_rows, total_width)
-                logits = decoder.prefill(input_ids, prompt_mask, position_ids)
+                logits = decoder.prefill(input_ids, prompt_mask, position_ids, past=past)
         else:
             decoder = _HFDecoder(self, n_steps, total_width)
             logits = decoder.prefill(input_ids, prompt_mask, position_ids)
@@ -357,12 +368,21 @@ class HFPolicy:
                 # Finished rows stop costing compute: keep only live rows once they are half the
                 # batch or fewer (at most log2(batch) re-indexings per call).
                 keep = torch.tensor([batch_index[r] for r in live], dtype=torch.long, device=device)
+                if reuse:
+                    assert isinstance(decoder, FusedLlamaDecoder)
+                    for i, r in enumerate(rows):
+                        if finish[r] is not None:
+                            self._keep_row(decoder, i, prompts[r], out_tokens[r, : n_generated[r]])
                 if decoder.select_rows(keep):
                     rows = live
                     tokens = tokens[keep]
                     next_position = next_position[keep]
             logits = decoder.step(tokens, next_position)
             next_position = next_position + 1
+        if reuse:
+            assert isinstance(decoder, FusedLlamaDecoder)
+            for i, r in enumerate(rows):
+                self._keep_row(decoder, i, prompts[r], out_tokens[r, : n_generated[r]])
 
         completions = []
         for r in range(n_rows):
@@ -374,6 +394,24 @@ class HFPolicy:
                 )
             )
         return completions
+
+    def _past(self, prompts: list[tuple[int, ...]]) -> list[torch.Tensor | None] | None:
+        """Stored keys and values for each prompt's longest cached prefix (None: none found)."""
+        found = [self.prefix_cache.find(p) for p in prompts]
+        if all(entry is None for entry in found):
+            return None
+        return [None if entry is None else entry[1] for entry in found]
+
+    def _keep_row(self, decoder: FusedLlamaDecoder, row: int, prompt: list[int],
+                  generated: torch.Tensor) -> None:
+        """Store ``row``'s keys and values: its prompt and every sampled token but the last
+        (which was never fed to the model)."""
+        tokens = [*prompt, *generated[:-1].tolist()]
+        self.prefix_cache.put(tokens, decoder.row_cache(row, len(tokens)))
+
+    def _weights_identity(self) -> tuple[Any, ...]:
+        # ``_version`` counts in-place writes (optimizer steps, load_state_dict's copies).
+        return (id(self.model), tuple((id(p), p._version) for p in self.model.parameters()))
 
     def _allowed(self, rule: TokenConstraint | None, generated: torch.Tensor) -> torch.Tensor | None:
         """The mask ``rule`` sets for the next token after ``generated`` (None: no rule)."""

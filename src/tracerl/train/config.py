@@ -214,6 +214,12 @@ class RolloutConfig:
     """Attempts in flight at once (also the sampler's largest batch)."""
     env_workers: int = 4
     """Threads running environment steps (sandboxed test runs) beside generation."""
+    threads: int | None = None
+    """torch intra-op threads while attempts are collected (training steps and evaluations);
+    None: the run's ``threads``. Sampling a small model is a stream of small operations that
+    a second thread mostly waits on, and the sandboxed test runs want a core of their own: on
+    2 CPU cores the demo's collection took 35% less time with 1 (measured), while its updates
+    (large matrix products) took 45% less with 2."""
     system_prompt: str | None = None
     """System message before the first observation."""
     constrain_edits: bool = False
@@ -678,6 +684,9 @@ def validate(config: TrainConfig) -> None:
         raise ValueError(f"sft.observation_weight: must be >= 0, "
                          f"got {config.sft.observation_weight}")
     resolve_device(config.model.device)
+    for name, threads in (("threads", config.threads), ("rollout.threads", r.threads)):
+        if threads is not None and threads < 1:
+            raise ValueError(f"{name}: must be >= 1 or null, got {threads}")
     if config.max_generated_tokens is not None and config.max_generated_tokens < 1:
         raise ValueError(f"max_generated_tokens: must be >= 1 or null, "
                          f"got {config.max_generated_tokens}")

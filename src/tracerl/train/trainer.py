@@ -370,6 +370,20 @@ class Trainer:
         policy: Any = self.policy  # HFPolicy satisfies the collector's SamplingPolicy
         return Collector(policy, self.make_env_factory(tasks), store, config)
 
+    @contextlib.contextmanager
+    def collecting_threads(self) -> Iterator[None]:
+        """torch's intra-op threads set to ``rollout.threads`` for the block (then restored)."""
+        wanted = self.config.rollout.threads
+        if wanted is None:
+            yield
+            return
+        previous = torch.get_num_threads()
+        torch.set_num_threads(wanted)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
+
     def choose_tasks(self, step: int, count: int, exclude: set[str]) -> list[Task]:
         """Tasks of one step: success-weighted (keeps groups mixed) or a seeded sweep."""
         rng = random.Random(f"{self.config.seed}:tasks:{step}:{len(exclude)}")
@@ -433,11 +447,12 @@ class Trainer:
                 retry += 1
             run_id = f"{run_id}-re{retry}" if retry else run_id
             if fresh:
-                result = self.collector(fresh, temperature=rollout.temperature,
-                                        seed=self.config.seed, store=self.store
-                                        ).collect(fresh, rollout.group_size,
-                                                  policy_version=self.policy.policy_version,
-                                                  run_id=run_id)
+                with self.collecting_threads():
+                    result = self.collector(fresh, temperature=rollout.temperature,
+                                            seed=self.config.seed, store=self.store
+                                            ).collect(fresh, rollout.group_size,
+                                                      policy_version=self.policy.policy_version,
+                                                      run_id=run_id)
                 attempts.extend(result.attempts)
                 seconds["generation"] += result.generation_seconds
                 seconds["wall"] += result.wall_seconds
@@ -835,7 +850,8 @@ class Trainer:
         if self.config.eval.greedy:
             runs.append(("greedy", 0.0, 1))
         for name, temperature, samples in runs:
-            with TraceStore(self.run_dir / "eval" / f"{label}-{name}", fsync=False) as store:
+            with (TraceStore(self.run_dir / "eval" / f"{label}-{name}", fsync=False) as store,
+                  self.collecting_threads()):
                 result = self.collector(tasks, temperature=temperature, seed=seed, store=store
                                         ).collect(tasks, samples, run_id=f"{label}-{name}")
             summary = summarize(list(result.attempts), families, max_k=samples,
