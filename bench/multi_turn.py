@@ -27,11 +27,10 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from tracerl.models.tiny import TinyModelConfig, build_tiny_model, train_tokenizer
 from tracerl.rollout import HFPolicy, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sampling import synthetic_code_corpus
+from sampling import add_common_arguments, bench_model, synthetic_code_corpus
 
 
 def main() -> None:
@@ -41,15 +40,11 @@ def main() -> None:
     parser.add_argument("--first-prompt", type=int, default=200, help="tokens of turn 1's prompt")
     parser.add_argument("--new-tokens", type=int, default=40, help="tokens sampled per turn")
     parser.add_argument("--observation", type=int, default=60, help="tokens added per turn")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per method (median)")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--seed", type=int, default=0)
+    add_common_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    tokenizer = train_tokenizer(synthetic_code_corpus(400, args.seed), vocab_size=2048)
-    model = build_tiny_model(tokenizer, TinyModelConfig(), seed=args.seed).eval()
-    model.generation_config.eos_token_id = None
+    tokenizer, model = bench_model(args.seed)
     rng = random.Random(args.seed)
     corpus = tokenizer.encode("\n".join(synthetic_code_corpus(300, args.seed + 1)))
 

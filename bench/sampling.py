@@ -23,6 +23,7 @@ import argparse
 import random
 import statistics
 import time
+from typing import Any
 
 import torch
 from transformers import GenerationConfig
@@ -53,22 +54,34 @@ def synthetic_code_corpus(n_texts: int, seed: int) -> list[str]:
     return texts
 
 
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--repeats``, ``--threads`` and ``--seed``, as the sampling benches share them."""
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per method (median)")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def bench_model(seed: int) -> tuple[Any, Any]:
+    """The demo-shaped tiny model and its tokenizer, with no EOS (every completion runs to its
+    token limit, so every method does the same work)."""
+    tokenizer = train_tokenizer(synthetic_code_corpus(400, seed), vocab_size=2048)
+    model = build_tiny_model(tokenizer, TinyModelConfig(), seed=seed).eval()
+    # generate() falls back to the model's own EOS when the call passes None: remove it there too.
+    model.generation_config.eos_token_id = None
+    return tokenizer, model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=32, help="number of prompts (one batch)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
     parser.add_argument("--min-prompt", type=int, default=48, help="shortest prompt, in tokens")
     parser.add_argument("--max-prompt", type=int, default=160, help="longest prompt, in tokens")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per method (median)")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--seed", type=int, default=0)
+    add_common_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    tokenizer = train_tokenizer(synthetic_code_corpus(400, args.seed), vocab_size=2048)
-    model = build_tiny_model(tokenizer, TinyModelConfig(), seed=args.seed).eval()
-    # generate() falls back to the model's own EOS when the call passes None: remove it there too.
-    model.generation_config.eos_token_id = None
+    tokenizer, model = bench_model(args.seed)
     rng = random.Random(args.seed)
     corpus_ids = tokenizer.encode("\n".join(synthetic_code_corpus(200, args.seed + 1)))
     prompts = []

@@ -7,7 +7,9 @@ cost of ``model.generate`` for small models, which is why this exists (see ``ben
 For Llama-architecture models (Llama, Qwen2, Mistral without sliding window) the forward itself
 is replaced by ``rollout.fused_llama``: packed projections, a preallocated cache and
 ``scaled_dot_product_attention``, the same logits to float rounding; other models, or
-``decode="hf"``, use the transformers forward.
+``decode="hf"``, use the transformers forward. On the fused path a prompt that extends an
+earlier call's row (a conversation's next turn) is prefilled from that row's kept keys and
+values (``rollout.prefix_cache``), emptied whenever the weights change.
 
 Accounting: each sampled token's logprob is recorded under the distribution it was drawn from
 (temperature, top-k, top-p, renormalised), and every completion carries the ``policy_version``
