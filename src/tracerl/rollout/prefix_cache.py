@@ -3,8 +3,10 @@ its new tokens.
 
 A multi-turn attempt's prompt at turn t+1 is its prompt at turn t, the action sampled there
 and the observation that came back. Prefilling it from scratch recomputes every earlier
-token, once per turn: for the demo's conversations (five to eight turns of a few hundred
-tokens) that is a quarter of the sampler's time. ``HFPolicy`` (fused decode path) therefore
+token, once per turn (prefills were about a quarter of the sampler's time in a profile of the
+demo's collection; reusing the earlier turns saved 8% of it there, where a group's rows mostly
+share their prompts, and halves it on 32 distinct six-turn conversations: ``bench/multi_turn.py``).
+``HFPolicy`` (fused decode path) therefore
 keeps, after each call, every row's cached keys and values under the exact token sequence they
 were computed for (its prompt and all but the last sampled token), and a later prompt that
 starts with such a sequence is prefilled from there (``FusedLlamaDecoder.prefill(past=...)``).
