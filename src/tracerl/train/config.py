@@ -218,8 +218,9 @@ class RolloutConfig:
     """torch intra-op threads while attempts are collected (training steps and evaluations);
     None: the run's ``threads``. Sampling a small model is a stream of small operations that
     a second thread mostly waits on, and the sandboxed test runs want a core of their own: on
-    2 CPU cores the demo's collection took 35% less time with 1 (measured), while its updates
-    (large matrix products) took 45% less with 2."""
+    2 CPU cores, with 1 the demo's sampler took about 35% less time and its collection about
+    15% less wall time (measured, docs/training.md), while its updates (large matrix products)
+    took about 40% less with 2."""
     system_prompt: str | None = None
     """System message before the first observation."""
     constrain_edits: bool = False
