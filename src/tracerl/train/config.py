@@ -231,6 +231,12 @@ class RolloutConfig:
     training rollouts and to every evaluation of the run (and is recorded beside saved
     policies, so ``tracerl eval`` decodes them the same way); the behavior logprob is the
     masked distribution's, the PPO ratio's old policy the unmasked one (``mismatch.*``)."""
+    constrain_new: bool = False
+    """Constrained decoding of ``replace``'s ``new`` (``rollout.constraints``): every name it
+    completes is one the open file holds, or a Python keyword or builtin (monitor-guided
+    decoding's names in scope), and it is never closed equal to the call's ``old``; numbers,
+    operators and spacing stay free. Applies to training rollouts and every evaluation, and
+    is recorded beside saved policies like ``constrain_edits``, with the same accounting."""
     constrain_calls: bool = False
     """Grammar-constrained tool calls (``rollout.grammar``): the sampler only draws tokens
     that keep an action one well-formed call of one of the environment's tools, as serving
@@ -361,6 +367,12 @@ class UpdateConfig:
     diverse), below 0 a penalty (entropy minimisation: the policy sharpens toward what it
     already prefers, so its samples at a fixed temperature come closer to its greedy
     decoding). 0: off."""
+    edit_text_weight: float = 1.0
+    """Weight of the policy-gradient and entropy terms on the action tokens that are an edit's
+    text (``replace``'s ``old``/``new``, ``write_file``'s ``content``: ``train.edit_text``), against 1 on
+    every other action token (which tool, which line, when to stop). Below 1, RL moves the
+    decisions more than the fixes; 0 leaves the fixes to the warm start (the KL to the
+    reference still acts on them). 1: every action token alike."""
     positive_nll_coef: float = 0.0
     """Weight of an extra likelihood term, ``-coef * log pi``, on the action tokens whose
     advantage is above 0: behaviour cloning of the policy's own better-than-its-group
@@ -675,6 +687,9 @@ def validate(config: TrainConfig) -> None:
     if config.update.sft_coef > 0 and not config.sft.enabled:
         raise ValueError("update.sft_coef: mixes the warm start's demonstrations into RL, "
                          "so it needs sft.enabled: true")
+    if not config.update.edit_text_weight >= 0.0:
+        raise ValueError(f"update.edit_text_weight: must be >= 0, "
+                         f"got {config.update.edit_text_weight}")
     if not config.update.positive_nll_coef >= 0.0:
         raise ValueError(f"update.positive_nll_coef: must be >= 0, "
                          f"got {config.update.positive_nll_coef}")

@@ -55,6 +55,7 @@ from tracerl.train.algorithms import (
 from tracerl.train.augment import renamed_copies
 from tracerl.train.config import TrainConfig, config_changes, dump_config, resolve_device
 from tracerl.train.demos import DemonstrationSet, Redraw, TokenizedDemo
+from tracerl.train.edit_text import TokenTexts, edit_text_mask
 from tracerl.train.metrics import MetricsWriter, StepProgress
 from tracerl.train.sft import Demonstration, supervised_finetune
 from tracerl.train.update import (
@@ -207,6 +208,7 @@ class Trainer:
         else:
             model, tokenizer = self._build_model()
         self.tokenizer = tokenizer
+        self._texts: TokenTexts | None = None
         self.actor = ActorCritic(model, config.critic, config.rollout.temperature).to(self.device)
         self.policy = HFPolicy(model, tokenizer, max_batch_size=config.rollout.concurrency)
         self.demos.bind(self.chat_tokens(), tokenizer)
@@ -366,7 +368,8 @@ class Trainer:
             max_concurrent=rollout.concurrency, max_batch_size=rollout.concurrency,
             env_workers=rollout.env_workers, seed=seed, system_prompt=rollout.system_prompt,
             tools=tools, compaction=compaction, handle_signals=False,
-            constrain_edits=rollout.constrain_edits, constrain_calls=rollout.constrain_calls)
+            constrain_edits=rollout.constrain_edits, constrain_calls=rollout.constrain_calls,
+            constrain_new=rollout.constrain_new)
         policy: Any = self.policy  # HFPolicy satisfies the collector's SamplingPolicy
         return Collector(policy, self.make_env_factory(tasks), store, config)
 
@@ -625,7 +628,19 @@ class Trainer:
         metrics["segmentation"] = segmentation_report(batch, update.loss_mode,
                                                       update.loss_constant)
         rows = dataclasses.replace(rows, advantages=result.advantages, returns=result.returns)
+        if update.edit_text_weight != 1.0:
+            edits = edit_text_mask(batch.input_ids, mask, self._token_texts())
+            weights = torch.where(edits, update.edit_text_weight, 1.0) * mask.float()
+            rows = dataclasses.replace(rows, token_weights=weights)
+            if bool(mask.any()):
+                metrics["advantage"]["edit_text_fraction"] = float(edits.sum() / mask.sum())
         return rows, metrics
+
+    def _token_texts(self) -> TokenTexts:
+        """Each token's text, for finding an action's edit text (made once)."""
+        if self._texts is None:
+            self._texts = TokenTexts(self.tokenizer)
+        return self._texts
 
     def _reference(self) -> ActorCritic | None:
         """The KL anchor: the policy as RL started (after the warm start), frozen."""
@@ -737,7 +752,8 @@ class Trainer:
         return conversation_json(tool_schemas_in_prompt=rollout.show_tool_schemas,
                                  system_prompt=rollout.system_prompt,
                                  constrain_edits=rollout.constrain_edits,
-                                 constrain_calls=rollout.constrain_calls)
+                                 constrain_calls=rollout.constrain_calls,
+                                 constrain_new=rollout.constrain_new)
 
     def final_checkpoint(self) -> Path:
         """The checkpoint of the last completed step, written now if it is not there yet."""
@@ -756,7 +772,8 @@ class Trainer:
         write_conversation(directory, tool_schemas_in_prompt=rollout.show_tool_schemas,
                            system_prompt=rollout.system_prompt,
                            constrain_edits=rollout.constrain_edits,
-                           constrain_calls=rollout.constrain_calls)
+                           constrain_calls=rollout.constrain_calls,
+                           constrain_new=rollout.constrain_new)
         return directory
 
     # -- the weight average (update.ema_decay) -------------------------------------------------
