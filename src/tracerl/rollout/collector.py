@@ -105,9 +105,9 @@ class CollectorConfig:
     decoding rules (``HFPolicy``) and an environment with ``open_file_text()``."""
     constrain_new: bool = False
     """Constrained decoding of ``replace``'s ``new`` (``rollout.constraints.NewTextConstraint``):
-    every name it completes is one the environment's open file holds, or a Python keyword or
-    builtin, and it is never closed equal to the call's ``old``. Needs a policy that applies
-    decoding rules (``HFPolicy``) and an environment with ``open_file_text()``."""
+    every name it completes is one the environment's open file holds, or a Python keyword,
+    and it is never closed equal to the call's ``old``. Needs a policy that applies decoding
+    rules (``HFPolicy``) and an environment with ``open_file_text()``."""
     constrain_calls: bool = False
     """Grammar-constrained tool calls (``rollout.grammar.ToolCallGrammar``): every action is
     one well-formed call of one of the environment's tools (its ``tool_schemas``, else

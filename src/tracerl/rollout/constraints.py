@@ -21,7 +21,6 @@ probability is what the update should do anyway; the mask never needs to be reco
 
 from __future__ import annotations
 
-import builtins
 import json
 import keyword
 import re
@@ -162,8 +161,10 @@ class EditConstraint:
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-PYTHON_NAMES = frozenset(keyword.kwlist) | frozenset(dir(builtins))
-"""Names a fix may use without the file defining them: Python's keywords and builtins."""
+PYTHON_NAMES = frozenset(keyword.kwlist)
+"""Names a fix may write that its file need not contain: Python's keywords. Not the
+builtins: with all of them in scope the demo's policy wrote ``round`` or ``repr`` where it had
+recalled a train template's local name; a builtin the file uses is in the file already."""
 
 
 def _word_runs(text: str) -> list[tuple[int, int]]:
@@ -193,7 +194,7 @@ def _word_runs(text: str) -> list[tuple[int, int]]:
 
 
 class NameScope:
-    """The names a file's fix may write (its identifiers and ``PYTHON_NAMES``), with the masks
+    """The names a file's fix may write (its identifiers and Python's keywords), with the masks
     of the vocabulary each partly written name allows, cached (a group's samples, and the
     turns of one task, ask for the same ones)."""
 
@@ -227,7 +228,7 @@ class NewTextConstraint:
     """Keeps ``replace``'s ``new`` made of names the file has, and different from ``old``.
 
     Inside the ``new`` string every identifier the sampler completes must be one the open
-    file contains or a Python keyword or builtin (``NameScope``), and the string may not be
+    file contains or a Python keyword (``NameScope``), and the string may not be
     closed equal to the call's ``old`` (an edit that changes nothing). Monitor-guided decoding
     (Agrawal et al., 2023) constrains code models to names in scope with a static analysis;
     this is that rule for one argument, with the file's own identifiers as the scope. Numbers,
