@@ -262,3 +262,21 @@ def test_sampler_under_the_new_rule_writes_names_in_scope(policy: HFPolicy,
         assert all(w in scope.names for w in _words(new)), completion.text
     assert closed > 0
     assert "lambda" in PYTHON_NAMES and "print" not in PYTHON_NAMES
+
+
+def test_every_fix_of_the_built_in_suite_is_writable_under_the_new_rule(
+        vocabulary: VocabularyTexts) -> None:
+    """The rule never rules out a suite task's fix: its changed lines use only names its buggy
+    file has, or keywords (the scope is the names, whatever the vocabulary)."""
+    from tracerl.envs.suite import generate_split
+
+    tasks = (generate_split("heldout") + generate_split("train")
+             + generate_split("train", count=400, composed=True))
+    for task in tasks:
+        assert task.solution is not None
+        for path, fixed in task.solution.items():
+            scope = NameScope(vocabulary, task.files[path])
+            before = set(task.files[path].splitlines())
+            changed = [line for line in fixed.splitlines() if line not in before]
+            assert changed, task.id
+            assert all(w in scope.names for line in changed for w in _words(line)), task.id
