@@ -47,7 +47,7 @@ BENCH_VENV := .bench-venv
 BENCH_PY := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.installed
 
-$(BENCH_STAMP): pyproject.toml
+$(BENCH_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_PY) -m pip install -q --upgrade pip
 	$(BENCH_PY) -m pip install -q torch==2.13.0
@@ -59,6 +59,9 @@ $(BENCH_STAMP): pyproject.toml
 	$(BENCH_PY) -m pip install -q --no-deps trl==1.16.0
 	$(BENCH_PY) -m pip install -q torch==2.13.0 'transformers>=5.5.3,<5.11,!=5.6.0' \
 		'accelerate>=1.10.1' 'datasets>=4.7.0' jinja2 pandas psutil 'pyarrow>=21.0.0' pyyaml
+	# tracerl's own needs besides torch and transformers (it goes in without dependencies).
+	$(BENCH_PY) -m pip install -q 'gymnasium>=0.29' 'rich>=13' 'matplotlib>=3.7' \
+		'tensorboard>=2.14' 'tokenizers>=0.19'
 	$(BENCH_PY) -m pip install -q --no-deps -e .
 	touch $(BENCH_STAMP)
 
