@@ -7,13 +7,15 @@ import copy
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tracerl.models.tiny import train_tokenizer
+from tracerl.rollout.constraints import VocabularyTexts
 from tracerl.train.config import CriticConfig, UpdateConfig
-from tracerl.train.edit_text import TokenTexts, edit_text_mask, string_value_spans
+from tracerl.train.edit_text import edit_text_mask, string_value_spans
 from tracerl.train.update import freeze_old, token_loss
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -39,7 +41,7 @@ def test_spans_cover_each_edit_value_through_its_closing_quote() -> None:
 def test_mask_marks_the_edit_tokens_of_each_action_and_nothing_else() -> None:
     corpus = [CALL, "PASS", "FAIL: expected 3", "def f(n):\n    return n + 1\n"] * 20
     tokenizer = train_tokenizer(corpus, vocab_size=300)
-    texts = TokenTexts(tokenizer)
+    texts = VocabularyTexts(tokenizer, len(tokenizer))
     call = tokenizer.encode(CALL, add_special_tokens=False)
     seen = tokenizer.encode("OK: line 7 is now: n + 1):", add_special_tokens=False)
     ids = torch.tensor([call + seen + call, seen + call + [0] * len(call)])
@@ -101,3 +103,32 @@ def test_weighted_micro_batches_equal_the_full_batch(loss_level: str) -> None:
     unweighted = copy.deepcopy(start)
     step(unweighted, replace(batch, token_weights=None), config, CriticConfig())
     assert not torch.allclose(params(unweighted), params(full), atol=1e-6, rtol=0)
+
+
+def test_the_trainer_weighs_the_edit_text_of_its_rows(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiny_runs import tiny_recipe
+
+    from tracerl.rollout.constraints import VocabularyTexts
+    from tracerl.train.config import load_config
+    from tracerl.train.trainer import Trainer
+
+    seen: list[torch.Tensor] = []
+    update = Trainer.update
+
+    def recording_update(self: Trainer, rows: Any, *args: Any, **kwargs: Any) -> Any:
+        assert rows.token_weights is not None
+        vocabulary = self._token_texts()
+        assert isinstance(vocabulary, VocabularyTexts)
+        edits = edit_text_mask(rows.input_ids, rows.action_mask, vocabulary)
+        expected = torch.where(edits, 0.5, 1.0) * rows.action_mask.float()
+        assert torch.equal(rows.token_weights, expected)
+        seen.append(rows.token_weights)
+        return update(self, rows, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "update", recording_update)
+    recipe = tiny_recipe(tmp_path, sft={"enabled": False}, steps=1,
+                         update={"edit_text_weight": 0.5},
+                         eval={"samples_per_task": 1, "greedy": False})
+    Trainer(load_config(recipe)).run()
+    assert len(seen) == 1 and bool((seen[0] > 0).any())

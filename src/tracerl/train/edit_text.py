@@ -20,10 +20,10 @@ end of the action.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from typing import Any
 
 import torch
+
+from tracerl.rollout.constraints import VocabularyTexts
 
 EDIT_KEYS = ("old", "new", "content")
 """The string arguments that are an edit's text: ``replace``'s ``old`` and ``new``,
@@ -53,28 +53,18 @@ def string_value_spans(text: str) -> list[tuple[int, int]]:
     return spans
 
 
-class TokenTexts:
-    """Each token id's decoded text, made once per tokenizer (ids past it decode to "")."""
-
-    def __init__(self, tokenizer: Any, width: int | None = None) -> None:
-        size = len(tokenizer) if width is None else max(len(tokenizer), width)
-        self.texts: list[str] = [str(tokenizer.decode([i])) if i < len(tokenizer) else ""
-                                 for i in range(size)]
-
-    def __call__(self, token_ids: Sequence[int]) -> list[str]:
-        return [self.texts[i] if 0 <= i < len(self.texts) else "" for i in token_ids]
-
-
 def edit_text_mask(input_ids: torch.Tensor, action_mask: torch.Tensor,
-                   texts: TokenTexts) -> torch.Tensor:
-    """(B, T) bool: the action tokens that are edit text. Each contiguous run of action tokens
-    (one turn's action) is searched on its own."""
+                   vocabulary: VocabularyTexts) -> torch.Tensor:
+    """(B, T) bool: the action tokens that are edit text, read with ``vocabulary.texts`` (each
+    token's decoded text; special tokens are empty, so never edit text). Each contiguous run
+    of action tokens (one turn's action) is searched on its own."""
     if input_ids.shape != action_mask.shape or input_ids.dim() != 2:
         raise ValueError(f"edit_text_mask: input_ids {tuple(input_ids.shape)} and action_mask "
                          f"{tuple(action_mask.shape)} must be the same (B, T)")
     out = torch.zeros(action_mask.shape, dtype=torch.bool)
     actions = action_mask.bool().cpu()
     ids = input_ids.cpu()
+    texts = vocabulary.texts
     for row in range(ids.shape[0]):
         marked = actions[row]
         if not bool(marked.any()):
@@ -85,7 +75,7 @@ def edit_text_mask(input_ids: torch.Tensor, action_mask: torch.Tensor,
         starts = torch.nonzero(flips == 1).flatten().tolist()
         ends = torch.nonzero(flips == -1).flatten().tolist()
         for lo, hi in zip(starts, ends, strict=True):
-            pieces = texts(ids[row, lo:hi].tolist())
+            pieces = [texts[i] if 0 <= i < len(texts) else "" for i in ids[row, lo:hi].tolist()]
             spans = string_value_spans("".join(pieces))
             if not spans:
                 continue
