@@ -7,6 +7,7 @@ import json
 import statistics
 import sys
 from collections import Counter, defaultdict
+from pathlib import Path
 from typing import Any
 
 from tracerl.trace.codec import (
@@ -17,6 +18,7 @@ from tracerl.trace.codec import (
     role_counts,
 )
 from tracerl.trace.schema import ROLES, Role, check_attempt
+from tracerl.trace.segments import Quarantined, load_manifest
 from tracerl.trace.store import scan_store
 
 _ROLE_STYLE = {
@@ -35,7 +37,8 @@ def register(subparsers: Any) -> None:
     stats.add_argument("directory", metavar="DIR")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     stats.set_defaults(func=_stats)
-    validate = sub.add_parser("validate", help="check schema and invariants; exit 1 if broken")
+    validate = sub.add_parser("validate", help="check segment checksums, schema and invariants; "
+                              "exit 1 if broken")
     validate.add_argument("directory", metavar="DIR")
     validate.set_defaults(func=_validate)
     show = sub.add_parser("show", help="one attempt's turns, roles, endings and rewards")
@@ -88,6 +91,10 @@ def store_stats(directory: str) -> dict[str, Any]:
     return {
         "attempts": len(scan.records),
         "damaged_ranges": len(scan.damage),
+        "damaged_segments": len(scan.damaged_segments),
+        "quarantined_segments": len(scan.quarantined),
+        "lost_attempts": sum(q.attempts or 0 for q in scan.quarantined)
+        + sum(d.attempts or 0 for d in scan.damaged_segments),
         "endings": dict(sorted(endings.items())),
         "tokens_by_role": {role.value: tokens_by_role[role.value] for role in ROLES},
         "horizon_tokens": _summary(horizons),
@@ -126,9 +133,11 @@ def _stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(stats))
         return 0
+    skipped = [f"{stats[key]} {key.replace('_', ' ')}" for key in
+               ("damaged_ranges", "damaged_segments", "quarantined_segments", "lost_attempts")
+               if stats[key]]
     print(f"{stats['attempts']} attempts in {args.directory}"
-          + (f" ({stats['damaged_ranges']} damaged ranges skipped)"
-             if stats["damaged_ranges"] else ""))
+          + (f" ({', '.join(skipped)})" if skipped else ""))
     for section in ("endings", "tokens_by_role", "horizon_tokens", "turns", "tool_calls",
                     "fragments_per_attempt", "action_tokens_by_policy_version", "groups",
                     "costs"):
@@ -138,9 +147,10 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def validation_errors(directory: str) -> tuple[int, list[str]]:
-    """(attempts checked, one message per broken rule naming the record)."""
+    """(attempts checked, one message per broken rule naming the record or the segment)."""
     scan = scan_store(directory, warn=False)
-    errors = [
+    errors = [damage.message() for damage in scan.damaged_segments]
+    errors += [
         f"{d.path} at byte {d.offset}: damaged record ({d.reason}), {d.length} bytes skipped"
         for d in scan.damage
     ]
@@ -160,6 +170,11 @@ def validation_errors(directory: str) -> tuple[int, list[str]]:
     return len(scan.records), errors
 
 
+def quarantined_segments(directory: str) -> tuple[Quarantined, ...]:
+    """Segments a writer found damaged and moved to ``quarantine/`` (from the manifest)."""
+    return load_manifest(Path(directory)).quarantined
+
+
 def _validate(args: argparse.Namespace) -> int:
     checked, errors = validation_errors(args.directory)
     for error in errors:
@@ -167,7 +182,12 @@ def _validate(args: argparse.Namespace) -> int:
     if errors:
         print(f"{len(errors)} problems in {checked} attempts", file=sys.stderr)
         return 1
-    print(f"ok: {checked} attempts, every invariant holds")
+    print(f"ok: {checked} attempts, every segment's checksum and every invariant holds")
+    # Segments a writer quarantined earlier: the store is consistent, but they were lost.
+    for entry in quarantined_segments(args.directory):
+        held = "" if entry.attempts is None else f", {entry.attempts} attempts lost"
+        print(f"note: {entry.segment} was quarantined ({entry.reason}{held}); "
+              f"it is in {entry.moved_to}")
     return 0
 
 
