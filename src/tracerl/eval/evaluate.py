@@ -87,6 +87,7 @@ def load_policy(path: str | Path, device: str = "cpu") -> Any:
     import torch
 
     from tracerl.rollout.policy_hf import HFPolicy
+    from tracerl.train.checkpoint import check_finite_weights
     from tracerl.train.config import resolve_device
 
     where = resolve_device(device, field="--device")
@@ -105,6 +106,7 @@ def load_policy(path: str | Path, device: str = "cpu") -> Any:
         raise ValueError(f"--policy {str(directory)!r}: could not be loaded: "
                          f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
                          ) from None
+    check_finite_weights(model, directory)
     torch.nn.Module.to(model, where)  # in place: a module moves its own parameters
     policy = HFPolicy(model, tokenizer)
     # How the checkpoint was trained to see its conversations (None: not by tracerl).

@@ -56,8 +56,10 @@ def _serve(args: argparse.Namespace) -> int:
     from tracerl.rollout.serve import TracingServer, run_server
     from tracerl.rollout.serve_trace import SessionRecorder
     from tracerl.trace.store import TraceStore
+    from tracerl.train.checkpoint import check_finite_weights
 
     model, tokenizer = load_tiny(args.model)
+    check_finite_weights(model, args.model)
     policy = HFPolicy(model, tokenizer, policy_version=args.policy_version,
                       max_batch_size=args.max_batch_size)
     name = args.name or Path(args.model).resolve().name

@@ -148,7 +148,10 @@ class HFPolicy:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path)
+        from tracerl.train.checkpoint import check_finite_weights
+
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        check_finite_weights(model, path)
         return cls(model, tokenizer, **kwargs)
 
     # ----------------------------------------------------------------- prompts and text

@@ -286,6 +286,7 @@ class Trainer:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True,
                                                      dtype=torch.float32)
+        ckpt.check_finite_weights(model, directory)
         return model, tokenizer
 
     def _build_model(self) -> tuple[Any, Any]:
