@@ -3,16 +3,19 @@ and ends with the same weights as a run that was never interrupted."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import yaml
 
-from tracerl.train.config import load_config
+from tracerl.trace import Attempt, EndReason, TraceStore, read_attempts
+from tracerl.train.config import config_from_dict, load_config
 from tracerl.train.trainer import Trainer
 
 RECIPE = {
@@ -33,7 +36,8 @@ RECIPE = {
 
 KILLED_RUN = """
 import os, sys
-from tracerl.train.config import load_config
+from tracerl.trace import Attempt, EndReason, TraceStore, read_attempts
+from tracerl.train.config import config_from_dict, load_config
 from tracerl.train.trainer import Trainer
 
 def die(phase, trainer):
@@ -123,3 +127,52 @@ def test_a_finished_run_continued_with_more_steps_is_evaluated_again(tmp_path: P
     said.clear()
     Trainer(load_config(tiny_recipe(tmp_path, steps=2, sft={"steps": 5})), log=said.append).run()
     assert not any(line.startswith("evaluation") for line in said)
+
+
+def _cancelled(attempt: Attempt) -> Attempt:
+    """The attempt as a Ctrl-C leaves it: stopped, recorded, ending ``cancelled``."""
+    last = dataclasses.replace(attempt.fragments[-1], end=EndReason.CANCELLED)
+    return dataclasses.replace(attempt, fragments=(*attempt.fragments[:-1], last),
+                               reward=None, attempt_id=attempt.attempt_id)
+
+
+def test_a_group_cancelled_by_ctrl_c_is_collected_again_on_resume(tmp_path: Path) -> None:
+    """A cancelled group has ``group_size`` members, but the step cannot train on them: the
+    resumed step collects it anew and trains on as many attempts as an uninterrupted one."""
+    recipe = {**RECIPE, "steps": 1, "update": {"entropy_coef": 0.05, "lr": 0.01,
+                                                "micro_batch_rows": 2}}
+    said: dict[str, list[str]] = {"straight": [], "resumed": []}
+
+    def run(name: str) -> dict[str, Any]:
+        config = config_from_dict({**recipe, "run_dir": str(tmp_path / name)})
+        Trainer(config, log=said[name].append).run()
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+        (step,) = [r for r in rows if r["kind"] == "train"]
+        return step
+
+    straight = run("straight")
+    # What a Ctrl-C during step 0's collection leaves in the store: every group of the step
+    # recorded in full, but with members ending `cancelled` (one group wholly, one in part).
+    step0 = [a for a in read_attempts(tmp_path / "straight" / "traces")
+             if a.group_id.startswith("s00000r0:")]
+    groups = sorted({a.group_id for a in step0})
+    assert len(groups) == 2 and len(step0) == 4
+    left = [_cancelled(a) if a.group_id == groups[0] or a.attempt_id.endswith(":0") else a
+            for a in step0]
+    assert sum(a.end_reason is EndReason.CANCELLED for a in left) == 3
+    with TraceStore(tmp_path / "resumed" / "traces") as store:
+        store.append_many(left)
+
+    resumed = run("resumed")
+    assert resumed["dynamic"]["reused_groups"] == 0  # neither group is reused as it is
+    assert resumed["attempts"]["trained_on"] == straight["attempts"]["trained_on"] > 0
+    assert resumed["attempts"]["collected"] == straight["attempts"]["collected"]
+    assert "cancelled" not in resumed["endings"]
+    # The cancelled attempts stay in the store, unused; the groups were collected anew.
+    ids = {a.attempt_id for a in read_attempts(tmp_path / "resumed" / "traces")}
+    assert {a.attempt_id for a in left} <= ids
+    assert any(i.startswith("s00000r0-re1:") for i in ids)
+    # The log line and metrics.jsonl say the same number of attempts trained on.
+    for name, step in (("straight", straight), ("resumed", resumed)):
+        (line,) = [m for m in said[name] if m.startswith("step 0:")]
+        assert f" {step['attempts']['trained_on']} attempts trained on" in line, line

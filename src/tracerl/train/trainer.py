@@ -46,6 +46,7 @@ from tracerl.rollout.collector import Collector, CollectorConfig
 from tracerl.rollout.compaction import CompactionConfig
 from tracerl.rollout.constraints import VocabularyTexts
 from tracerl.trace import Attempt, PackedBatch, Role, TraceStore, Turn, pack, read_attempts
+from tracerl.trace.schema import EndReason, Treatment, default_treatments
 from tracerl.train import checkpoint as ckpt
 from tracerl.train import ranks
 from tracerl.train.algorithms import (
@@ -415,12 +416,16 @@ class Trainer:
         return chosen or rng.sample(pool, min(count, len(pool)))
 
     def collect(self, step: int) -> tuple[list[Attempt], list[Attempt], dict[str, Any]]:
-        """Collect the step's groups, reusing complete groups a killed run already stored.
+        """Collect the step's groups, reusing complete groups a killed run already stored
+        (every member ended with an ending the step trains on; see :func:`_complete_group`).
 
         Returns the attempts to train on (uniform groups left out when dynamic sampling filters
         them), every attempt the step produced (for outcomes and costs), and metrics."""
         rollout, dynamic = self.config.rollout, self.config.dynamic
         stored = self._stored_groups(step)
+        trained = frozenset(reason for reason, treatment
+                            in default_treatments(self.actor.has_critic).items()
+                            if treatment in (Treatment.SCORE, Treatment.BOOTSTRAP))
         kept: list[Attempt] = []
         spent: list[Attempt] = []  # every attempt of the step, filtered or not: what it cost
         filtered = Counter[str]()
@@ -437,15 +442,15 @@ class Trainer:
             attempts: list[Attempt] = []
             fresh: list[Task] = []
             for task in tasks:
-                group = _complete_group(stored, run_id, task.id, rollout.group_size)
+                group = _complete_group(stored, run_id, task.id, rollout.group_size, trained)
                 if group is not None:
                     attempts.extend(group)
                     reused += 1
                 else:
                     fresh.append(task)
-            # A group a killed run left incomplete is collected again under a new id, so the
-            # store never holds two different attempts under one id; the partial one stays
-            # in the store, unused and counted.
+            # A group a killed run left incomplete (or with members it cancelled) is collected
+            # again under a new id, so the store never holds two different attempts under one
+            # id; the partial one stays in the store, unused and counted.
             retry = 0
             while any(g.startswith(f"{run_id}-re{retry}:" if retry else f"{run_id}:")
                       for g in stored):
@@ -523,7 +528,10 @@ class Trainer:
             "reward": {"mean": per(rewards)},
             "success": {"mean": per(successes)},
             "endings": dict(endings),
-            "attempts": {"collected": len(attempts), "trained_on": len(packed),
+            # trained_on: the attempts in the batch (excluded endings and dropped groups left
+            # out), the number the step's log line prints; kept: before treatments.
+            "attempts": {"collected": len(attempts), "kept": len(packed),
+                         "trained_on": batch.report.attempts if batch else 0,
                          "in_batch": batch.report.attempts if batch else 0,
                          "excluded": sum(batch.report.excluded.values()) if batch else 0,
                          "dropped_groups": len(batch.report.dropped_groups) if batch else 0,
@@ -730,7 +738,7 @@ class Trainer:
         self.metrics.write(self.state.step, metrics)
         self.last_metrics = metrics
         self.log(f"step {self.state.step}: reward {metrics['reward']['mean']:.3f}, "
-                 f"{metrics['attempts']['in_batch']} attempts trained on, "
+                 f"{metrics['attempts']['trained_on']} attempts trained on, "
                  f"turns {metrics['horizon']['turns']:.1f}, {step_seconds:.0f}s "
                  f"(collect {self.timings['collect']:.0f}s, update "
                  f"{self.timings['update']:.0f}s so far)")
@@ -1034,12 +1042,17 @@ def _strip(metrics: dict[str, float], prefix: str) -> dict[str, float]:
     return {k.removeprefix(prefix): v for k, v in metrics.items() if math.isfinite(v)}
 
 
-def _complete_group(stored: dict[str, list[Attempt]], run_id: str, task_id: str,
-                    size: int) -> list[Attempt] | None:
-    """A complete group of ``task_id`` stored under ``run_id`` or one of its retries."""
+def _complete_group(stored: dict[str, list[Attempt]], run_id: str, task_id: str, size: int,
+                    trained: frozenset[EndReason]) -> list[Attempt] | None:
+    """A group of ``task_id`` stored under ``run_id`` or one of its retries that the step can
+    use as it is: ``size`` members, each ended with an ending in ``trained`` (treated ``score``
+    or ``bootstrap``). A group whose members a Ctrl-C cancelled has ``size`` members too, but
+    reusing it would train the resumed step on fewer attempts than an uninterrupted one (the
+    cancelled ones are excluded), so it is collected anew."""
     for group_id, members in sorted(stored.items()):
         base, _, task = group_id.partition(":")
-        if task == task_id and base.split("-re")[0] == run_id and len(members) == size:
+        if (task == task_id and base.split("-re")[0] == run_id and len(members) == size
+                and all(a.end_reason in trained for a in members)):
             return members
     return None
 
