@@ -11,7 +11,7 @@ from gymnasium.utils.env_checker import check_env
 
 from tracerl.envs.audit import AuditResult, VerifyResult
 from tracerl.envs.coding import CodingEnv
-from tracerl.envs.faults import FaultConfig
+from tracerl.envs.faults import FaultConfig, FaultInjector
 from tracerl.envs.sandbox import Sandbox
 from tracerl.envs.suite import generate_split
 from tracerl.envs.tasks import Task
@@ -368,6 +368,21 @@ def test_tool_fault_settings_are_checked() -> None:
         FaultConfig(command_failure=0.6, flaky_test=0.6)
     with pytest.raises(ValueError, match="max_per_attempt"):
         FaultConfig(max_per_attempt=-1)
-    split = FaultConfig.tool_faults(0.4, seed=1, infrastructure=0.1)
-    assert split.command_failure == split.truncated_output == pytest.approx(0.1)
-    assert split.sandbox_start_failure == 0.1 and split.tool_crash == 0.0
+    with pytest.raises(ValueError, match="not both"):
+        FaultConfig(any_tool_fault=0.5, flaky_test=0.1)
+    config = FaultConfig.tool_faults(0.4, seed=1, infrastructure=0.1)
+    assert config.any_tool_fault == 0.4 and config.command_failure == 0.0
+    assert config.sandbox_start_failure == 0.1 and config.tool_crash == 0.0
+
+
+def test_any_tool_fault_hits_every_tool_at_its_rate_with_the_kinds_it_can_have() -> None:
+    injector = FaultInjector(FaultConfig(any_tool_fault=1.0, seed=3))
+    seen = {tool: {injector.before_tool(tool) for _ in range(200)}
+            for tool in ("write_file", "view_file", "run_tests")}
+    assert seen["write_file"] == {"command_failure", "command_timeout"}
+    assert seen["view_file"] == {"command_failure", "command_timeout", "truncated_output"}
+    assert seen["run_tests"] == {"command_failure", "command_timeout", "flaky_test",
+                                 "truncated_output"}
+    half = FaultInjector(FaultConfig(any_tool_fault=0.5, seed=4))
+    hits = sum(half.before_tool("replace") is not None for _ in range(2000))
+    assert 850 < hits < 1150

@@ -96,6 +96,9 @@ class FaultConfig:
     """Probability that a test run reports a spurious failure."""
     truncated_output: float = 0.0
     """Probability that a tool's output (files, a file, a test run) comes back cut."""
+    any_tool_fault: float = 0.0
+    """Instead of the four above: probability that a tool call gets a tool fault, of a kind
+    drawn evenly among those that can hit that tool (so every tool is hit at this rate)."""
     slow_tool: float = 0.0
     """Probability that a tool call is delayed by ``slow_seconds``."""
     slow_seconds: float = 1.0
@@ -111,7 +114,13 @@ class FaultConfig:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
+        if not 0.0 <= self.any_tool_fault <= 1.0:
+            raise ValueError(f"any_tool_fault must be a probability in [0, 1], "
+                             f"got {self.any_tool_fault!r}")
         total = sum(getattr(self, name) for name in TOOL_FAULTS)
+        if self.any_tool_fault > 0 and total > 0:
+            raise ValueError("any_tool_fault: give it or the probabilities of the single "
+                             f"kinds ({', '.join(TOOL_FAULTS)}), not both")
         if total > 1.0 + 1e-9:
             raise ValueError(f"{', '.join(TOOL_FAULTS)}: at most one hits a call, so their "
                              f"probabilities must sum to <= 1, got {total!r}")
@@ -123,18 +132,16 @@ class FaultConfig:
     @classmethod
     def tool_faults(cls, rate: float, *, seed: int | None = None,
                     infrastructure: float = 0.0) -> FaultConfig:
-        """``rate`` split evenly over the four tool faults, and ``infrastructure`` as the
+        """A tool fault at ``rate`` per call (``any_tool_fault``), and ``infrastructure`` as the
         probability that a test run's sandbox fails to start (what ``tracerl eval
         --inject-faults RATE --inject-infrastructure-faults P`` uses)."""
-        share = rate / len(TOOL_FAULTS)
-        return cls(sandbox_start_failure=infrastructure,
-                   command_failure=share, command_timeout=share, flaky_test=share,
-                   truncated_output=share, seed=seed)
+        return cls(sandbox_start_failure=infrastructure, any_tool_fault=rate, seed=seed)
 
     @property
     def active(self) -> bool:
         return any(getattr(self, name) > 0 for name in
-                   ("tool_crash", "sandbox_start_failure", *TOOL_FAULTS, "slow_tool"))
+                   ("tool_crash", "sandbox_start_failure", *TOOL_FAULTS, "any_tool_fault",
+                    "slow_tool"))
 
 
 class FaultInjector:
@@ -185,12 +192,15 @@ class FaultInjector:
 
 
 def _pick_tool_fault(config: FaultConfig, tool: str, draw: float) -> FaultKind | None:
-    """The tool fault ``draw`` falls on, among those that can hit ``tool``."""
+    """The tool fault ``draw`` (uniform in [0, 1)) falls on, among those that can hit ``tool``."""
+    kinds = [kind for kind in TOOL_FAULTS
+             if (applies := _APPLIES[kind]) is None or tool in applies]
+    if config.any_tool_fault > 0:
+        if draw >= config.any_tool_fault or not kinds:
+            return None
+        return kinds[min(int(draw / config.any_tool_fault * len(kinds)), len(kinds) - 1)]
     edge = 0.0
-    for kind in TOOL_FAULTS:
-        applies = _APPLIES[kind]
-        if applies is not None and tool not in applies:
-            continue
+    for kind in kinds:
         edge += getattr(config, kind)
         if draw < edge:
             return kind
