@@ -5,14 +5,17 @@ many times its limit. A cgroup limits them together: every process the command s
 the cgroup, and when their memory (including what they write to the private ``/tmp``) passes
 the limit, the kernel's OOM killer ends one of them.
 
-The cgroup is made below the cgroup this process is already in, so it also stays within any
-limit set there. Three modes, chosen once per process by :func:`cgroup_support`:
+Three modes, chosen once per process by :func:`cgroup_support`:
 
-- ``cgroup2``: the unified hierarchy, where this process's cgroup already enables the memory
-  controller for its children (``cgroup.subtree_control``); ``memory.max`` and
-  ``memory.swap.max = 0``.
-- ``cgroup1``: a legacy ``memory`` hierarchy (hybrid systems); ``memory.limit_in_bytes`` and,
-  when swap accounting is on, ``memory.memsw.limit_in_bytes`` at the same value.
+- ``cgroup2``: the unified hierarchy. A cgroup that holds processes cannot give the memory
+  controller to children (except the root), so the sandboxes' cgroups are made below this
+  process's cgroup only when that is the root, and otherwise beside it, below its parent,
+  when the parent enables ``memory`` for its children (``cgroup.subtree_control``: the usual
+  layout of a delegated cgroup, whose limit then covers tracerl and its sandboxes together);
+  ``memory.max`` and ``memory.swap.max = 0``.
+- ``cgroup1``: a legacy ``memory`` hierarchy (hybrid systems), below this process's own cgroup
+  (so also within any limit set there); ``memory.limit_in_bytes`` and, when swap accounting
+  is on, ``memory.memsw.limit_in_bytes`` at the same value.
 - ``rlimit``: neither can be used (not root, no memory controller, a read-only mount); the
   sandbox then falls back to per-process limits (see ``Sandbox.memory_bound``).
 """
@@ -25,6 +28,7 @@ import functools
 import itertools
 import os
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -85,14 +89,29 @@ def _under_mount(mount_point: str, mount_root: str, path: str) -> Path | None:
 
 
 def _try_make(parent: Path) -> str | None:
-    """Make and remove a probe cgroup in ``parent``; None when that works, else why not."""
+    """Make a probe cgroup in ``parent``, move a short-lived process into it and remove it;
+    None when all of that works, else why not."""
     probe = parent / f"tracerl-probe-{os.getpid()}-{next(_names)}"
     try:
         probe.mkdir()
     except OSError as error:
         return f"cannot create a cgroup in {parent}: {error.strerror or error}"
-    with contextlib.suppress(OSError):
-        probe.rmdir()
+    try:
+        joined = subprocess.run(["/bin/sh", "-c", 'echo $$ > "$0"', str(probe / "cgroup.procs")],
+                                capture_output=True, text=True, timeout=10, check=False)
+        if joined.returncode != 0:
+            return f"cannot move a process into a cgroup in {parent}: {joined.stderr.strip()}"
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"cannot move a process into a cgroup in {parent}: {error}"
+    finally:
+        for _ in range(100):  # the probe process may take a moment to leave it
+            try:
+                probe.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.01)
     return None
 
 
@@ -111,17 +130,22 @@ def cgroup_support() -> CgroupSupport:
         directory = _under_mount(point, root, own[""])
         if directory is None:
             continue
+        # Below our own cgroup only at the root (the one cgroup that may hold processes and
+        # give controllers to children); otherwise beside it, below its parent.
+        parent = directory if directory == Path(point) else directory.parent
+        if not (parent == Path(point) or parent.is_relative_to(point)):
+            continue
         try:
-            enabled = (directory / "cgroup.subtree_control").read_text().split()
+            enabled = (parent / "cgroup.subtree_control").read_text().split()
         except OSError:
             enabled = []
         if "memory" not in enabled:
             reasons.append(f"cgroup v2: the memory controller is not enabled for the children "
-                           f"of {directory} (cgroup.subtree_control)")
+                           f"of {parent} (cgroup.subtree_control)")
             continue
-        problem = _try_make(directory)
+        problem = _try_make(parent)
         if problem is None:
-            return CgroupSupport("cgroup2", directory, f"cgroup v2 below {directory}")
+            return CgroupSupport("cgroup2", parent, f"cgroup v2 below {parent}")
         reasons.append(f"cgroup v2: {problem}")
     memory_path = next((path for key, path in own.items() if "memory" in key.split(",")), None)
     for kind, point, root, options in mounts:
