@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tracerl.envs.cgroups import _cgroup_mounts, _own_cgroups, cgroup_support
+from tracerl.envs import cgroups
+from tracerl.envs.cgroups import _cgroup_mounts, _choose, _own_cgroups, cgroup_support
 from tracerl.envs.sandbox import Sandbox, SandboxLimits, SandboxStartError
 from tracerl.envs.tools import failure_excerpt
 
@@ -97,3 +98,32 @@ def test_cgroup_files_are_read_as_the_kernel_writes_them() -> None:
     assert _cgroup_mounts(mountinfo) == [
         ("cgroup2", "/sys/fs/cgroup", "/", {"rw", "nsdelegate"}),
         ("cgroup", "/sys/fs/cgroup/memory", "/jobs", {"rw", "memory"})]
+
+
+def test_where_the_cgroups_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[Path] = []
+    monkeypatch.setattr(cgroups, "_try_make", lambda parent: made.append(parent))
+    v2, v1 = tmp_path / "unified", tmp_path / "memory"
+    (v2 / "jobs" / "me").mkdir(parents=True)
+    (v1 / "jobs" / "me").mkdir(parents=True)
+    mounts = [("cgroup2", str(v2), "/", {"rw"}), ("cgroup", str(v1), "/", {"rw", "memory"})]
+    own = {"": "/jobs/me", "memory": "/jobs/me"}
+    # v2: a cgroup holding processes cannot give memory to children, so the parent is used,
+    # and only when it enables memory for its children.
+    (v2 / "jobs" / "cgroup.subtree_control").write_text("cpu\n")
+    chosen = _choose(own, mounts)
+    assert (chosen.mode, chosen.parent) == ("cgroup1", v1 / "jobs" / "me")  # v1 below our own
+    assert "not enabled for the children" in chosen.reason
+    (v2 / "jobs" / "cgroup.subtree_control").write_text("cpu memory\n")
+    assert _choose(own, mounts) == cgroups.CgroupSupport(
+        "cgroup2", v2 / "jobs", f"cgroup v2 below {v2 / 'jobs'}")
+    # At the root (in its own cgroup namespace, say) the cgroups go below it.
+    (v2 / "cgroup.subtree_control").write_text("memory\n")
+    assert _choose({"": "/"}, mounts[:1]).parent == v2
+    # Nothing usable: per-process limits, and the reason says why.
+    monkeypatch.setattr(cgroups, "_try_make", lambda parent: f"cannot create a cgroup in {parent}")
+    fallback = _choose(own, mounts)
+    assert fallback.mode == "rlimit" and fallback.parent is None
+    assert "cgroup v1: cannot create" in fallback.reason
+    assert _choose({}, []).reason == "no cgroup hierarchy with a memory controller is mounted"
+    assert made == [v1 / "jobs" / "me", v2 / "jobs", v2]

@@ -123,6 +123,11 @@ def cgroup_support() -> CgroupSupport:
         mounts = _cgroup_mounts(Path("/proc/self/mountinfo").read_text())
     except OSError as error:
         return CgroupSupport("rlimit", None, f"cannot read this process's cgroups: {error}")
+    return _choose(own, mounts)
+
+
+def _choose(own: dict[str, str], mounts: list[tuple[str, str, str, set[str]]]) -> CgroupSupport:
+    """The mode and parent directory for a process in cgroups ``own``, given the mounts."""
     reasons: list[str] = []
     for kind, point, root, _ in mounts:
         if kind != "cgroup2" or "" not in own:
@@ -156,7 +161,9 @@ def cgroup_support() -> CgroupSupport:
             continue
         problem = _try_make(directory)
         if problem is None:
-            return CgroupSupport("cgroup1", directory, f"cgroup v1 memory below {directory}")
+            why_not_v2 = f" ({'; '.join(reasons)})" if reasons else ""
+            return CgroupSupport("cgroup1", directory,
+                                 f"cgroup v1 memory below {directory}{why_not_v2}")
         reasons.append(f"cgroup v1: {problem}")
     if not reasons:
         reasons.append("no cgroup hierarchy with a memory controller is mounted")
