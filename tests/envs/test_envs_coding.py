@@ -11,7 +11,7 @@ from gymnasium.utils.env_checker import check_env
 
 from tracerl.envs.audit import AuditResult, VerifyResult
 from tracerl.envs.coding import CodingEnv
-from tracerl.envs.faults import FaultConfig
+from tracerl.envs.faults import FaultConfig, FaultInjector
 from tracerl.envs.sandbox import Sandbox
 from tracerl.envs.suite import generate_split
 from tracerl.envs.tasks import Task
@@ -297,3 +297,92 @@ def test_restart_puts_every_file_back_and_answers_with_the_statement(sandbox: Sa
     env.reset(seed=0, options={"task_index": 1})
     assert "fresh_context" not in env.step(call("run_tests"))[4]
     env.close()
+
+
+def _one_fault(sandbox: Sandbox, **kind: float) -> CodingEnv:
+    config = FaultConfig(max_per_attempt=1, seed=0, **kind)
+    return CodingEnv(generate_split("train", count=3), sandbox=sandbox, faults=config)
+
+
+def test_a_failed_command_is_an_observation_and_the_retry_works(sandbox: Sandbox) -> None:
+    env = _one_fault(sandbox, command_failure=1.0)
+    env.reset(seed=0, options={"task_index": 2})
+    assert env.task is not None and env.workspace is not None
+    module, _test, source = _parts(env.task)
+    fixed = (env.task.solution or {})[module]
+    observation, reward, terminated, truncated, info = env.step(
+        call("write_file", path=module, content=fixed))
+    assert observation == "error: write_file: OSError: [Errno 5] Input/output error"
+    assert info["fault"] == "command_failure" and not info["tool_error"]
+    assert not info["agent_error"] and (reward, terminated, truncated) == (0.0, False, False)
+    assert env.workspace.read(module) == source  # the failed command changed nothing
+    observation, _, _, _, info = env.step(call("write_file", path=module, content=fixed))
+    assert observation == "OK" and info["fault"] is None  # one fault per attempt
+    assert env.step(call("run_tests"))[0] == "PASS"
+    assert env.step(call("submit"))[1] == 1.0
+    env.reset(seed=0, options={"task_index": 2})  # a new attempt gets its own fault
+    assert env.step(call("list_files"))[0].startswith("error: list_files:")
+    env.close()
+
+
+def test_a_timed_out_or_flaky_test_run_answers_as_a_failed_run(sandbox: Sandbox) -> None:
+    for kind, shown in (("command_timeout", "FAIL\nkilled: timeout"),
+                        ("flaky_test", "FAIL\nConnectionResetError: [Errno 104] Connection "
+                                       "reset by peer")):
+        env = _one_fault(sandbox, **{kind: 1.0})
+        env.reset(seed=0, options={"task_index": 2})
+        assert env.task is not None and env.workspace is not None
+        module, _test, _source = _parts(env.task)
+        env.workspace.write(module, (env.task.solution or {})[module])  # fixed, not by a tool
+        observation, _, terminated, _, info = env.step(call("run_tests"))
+        assert observation == shown and info["fault"] == kind and not info["tool_error"]
+        assert not terminated
+        assert env.step(call("run_tests"))[0] == "PASS"  # run again: the real result
+        env.close()
+
+
+def test_a_truncated_output_is_the_first_half_marked(sandbox: Sandbox) -> None:
+    env = _one_fault(sandbox, truncated_output=1.0)
+    env.reset(seed=0, options={"task_index": 2})
+    assert env.task is not None
+    module, _test, _source = _parts(env.task)
+    cut, _, _, _, info = env.step(call("view_file", path=module))
+    whole = env.step(call("view_file", path=module))[0]
+    assert info["fault"] == "truncated_output" and cut.endswith("\n[output truncated]")
+    assert whole.startswith(cut.removesuffix("\n[output truncated]"))
+    assert len(cut) < len(whole)
+    env.close()
+
+
+def test_a_failed_restart_keeps_the_context(sandbox: Sandbox) -> None:
+    env = _one_fault(sandbox, command_timeout=1.0)
+    env.reset(seed=0)
+    observation, _, _, _, info = env.step(call("restart"))
+    assert observation == "error: restart: timed out" and "fresh_context" not in info
+    assert env.step(call("restart"))[4]["fresh_context"]
+    env.close()
+
+
+def test_tool_fault_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="sum to <= 1"):
+        FaultConfig(command_failure=0.6, flaky_test=0.6)
+    with pytest.raises(ValueError, match="max_per_attempt"):
+        FaultConfig(max_per_attempt=-1)
+    with pytest.raises(ValueError, match="not both"):
+        FaultConfig(any_tool_fault=0.5, flaky_test=0.1)
+    config = FaultConfig.tool_faults(0.4, seed=1, infrastructure=0.1)
+    assert config.any_tool_fault == 0.4 and config.command_failure == 0.0
+    assert config.sandbox_start_failure == 0.1 and config.tool_crash == 0.0
+
+
+def test_any_tool_fault_hits_every_tool_at_its_rate_with_the_kinds_it_can_have() -> None:
+    injector = FaultInjector(FaultConfig(any_tool_fault=1.0, seed=3))
+    seen = {tool: {injector.before_tool(tool) for _ in range(200)}
+            for tool in ("write_file", "view_file", "run_tests")}
+    assert seen["write_file"] == {"command_failure", "command_timeout"}
+    assert seen["view_file"] == {"command_failure", "command_timeout", "truncated_output"}
+    assert seen["run_tests"] == {"command_failure", "command_timeout", "flaky_test",
+                                 "truncated_output"}
+    half = FaultInjector(FaultConfig(any_tool_fault=0.5, seed=4))
+    hits = sum(half.before_tool("replace") is not None for _ in range(2000))
+    assert 850 < hits < 1150

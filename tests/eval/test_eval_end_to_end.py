@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tracerl.cli import main
+from tracerl.envs.faults import FaultConfig
 from tracerl.envs.sandbox import Sandbox, SandboxLimits
 from tracerl.envs.suite import generate_split
 from tracerl.envs.tasks import Budget, Task, dump_tasks, load_tasks
@@ -15,6 +16,8 @@ from tracerl.envs.tools import TOOL_SCHEMAS
 from tracerl.eval.evaluate import (
     EvalSettings,
     collect_attempts,
+    evaluate,
+    format_result,
     load_policy,
     run_evaluation,
     turn_cap,
@@ -152,9 +155,59 @@ def test_injected_faults_are_a_second_run_reported_beside_the_first(
                             sandbox=sandbox)
     faults = result["fault_injection"]
     assert faults["success_without_faults"] == 1.0
+    # Every edit fails as a tool fault, and a script that never retries submits the buggy
+    # files: the policy's failure, not the infrastructure's.
     assert faults["success_with_faults"] == 0.0 and faults["success_change"] == -1.0
-    assert faults["result"]["by_ending"]["tool_error"] == 2
-    assert faults["result"]["infrastructure_failures"] == 2
+    assert faults["result"]["by_ending"]["terminated"] == 2
+    assert faults["infrastructure_failures_with_faults"] == 0
+    assert faults["faulted_attempts"] == 2 and faults["recovery_rate"] == 0.0
+    assert sum(faults["injected_faults"].values()) >= 2
+    assert set(faults["injected_faults"]) <= {"command_failure", "command_timeout"}
+    assert "faulted attempts 2, recovered 0" in format_result(result)
+
+
+def test_a_policy_that_retries_recovers_from_tool_faults(
+        task_file: Path, policy_dir: Path, sandbox: Sandbox) -> None:
+    tasks = load_tasks(task_file)
+    base = load_policy(policy_dir)
+    faults = FaultConfig(command_failure=1.0, max_per_attempt=1, seed=0)
+    settings = EvalSettings(samples=1, **SCRIPTED)
+    retrying = evaluate(ScriptedPolicy(base, tasks, solution_script, retries=2), tasks,
+                        settings, sandbox=sandbox, faults=faults)
+    assert retrying["success"] == 1.0 and retrying["by_ending"]["terminated"] == 2
+    assert retrying["faulted_attempts"] == 2 and retrying["recovered_attempts"] == 2
+    assert retrying["recovery_rate"] == 1.0
+    assert retrying["injected_faults"] == {"command_failure": 2}
+    # The same faults, and a script that takes the failed write for done, fails.
+    once = evaluate(ScriptedPolicy(base, tasks, solution_script), tasks, settings,
+                    sandbox=sandbox, faults=faults)
+    assert once["success"] == 0.0 and once["recovery_rate"] == 0.0
+
+
+def test_an_infrastructure_fault_ends_tool_error_and_is_excluded_and_counted(
+        task_file: Path, policy_dir: Path, sandbox: Sandbox) -> None:
+    tasks = load_tasks(task_file)
+
+    def fix_check_submit(task: Task) -> list[str]:
+        # Only one task runs its tests, so only its sandbox can fail to start.
+        check = [render_tool_call("run_tests", {})] if task.id == "area-constant" else []
+        return [*solution_script(task)[:-1], *check, render_tool_call("submit", {})]
+
+    policy = ScriptedPolicy(load_policy(policy_dir), tasks, fix_check_submit)
+    result = run_evaluation(policy, tasks, EvalSettings(
+        samples=1, inject_infrastructure_faults=1.0, **SCRIPTED), sandbox=sandbox)
+    faults = result["fault_injection"]
+    faulted = faults["result"]
+    assert faulted["by_ending"]["tool_error"] == 1 and faulted["infrastructure_failures"] == 1
+    assert faulted["per_task"]["area-constant"]["successes"] == 0
+    assert faulted["success"] == 0.5  # the headline of the run counts it as a failure...
+    # ...the comparison excludes it, and counts it.
+    assert faults["success_without_faults"] == faults["success_with_faults"] == 1.0
+    assert faults["success_change"] == 0.0
+    assert faults["infrastructure_failures_without_faults"] == 0
+    assert faults["infrastructure_failures_with_faults"] == 1
+    assert faults["faulted_attempts"] == 0 and faults["recovery_rate"] is None
+    assert faults["injected_faults"] == {"sandbox_start_failure": 1}
 
 
 def test_a_broken_task_line_is_refused_naming_the_line_and_field(

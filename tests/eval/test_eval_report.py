@@ -159,3 +159,19 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     images = json.loads(match.group(1).replace("&quot;", '"'))
     assert [alt for alt, _, _ in images] == [plot.title for plot in plots]
     assert all(width > 100 and height > 100 for _, width, height in images), images
+
+
+def test_report_lists_success_with_and_without_faults_and_recovery(tmp_path: Path) -> None:
+    run = tmp_path / "faults"
+    run.mkdir()
+    (run / "eval_faults.json").write_text(json.dumps({
+        "success": 0.5, "ci95": [0.25, 0.75],
+        "fault_injection": {"rate": 0.3, "success_without_faults": 0.5,
+                            "success_with_faults": 0.375,
+                            "infrastructure_failures_without_faults": 0,
+                            "infrastructure_failures_with_faults": 2,
+                            "faulted_attempts": 6, "recovered_attempts": 3,
+                            "recovery_rate": 0.5}}), encoding="utf-8")
+    text = write_report(run)[0].read_text(encoding="utf-8")
+    assert "success without / with faults (infrastructure excluded)" in text
+    assert "0.500 / 0.375" in text and "0 / 2" in text and "3 of 6 (0.500)" in text

@@ -155,7 +155,10 @@ def test_tool_crash_is_a_tool_error_not_the_agents_failure(
     assert result.endings["tool_error"] == 2
     for attempt in result.attempts:
         assert attempt.reward is None and attempt.metadata["fault"] == "tool_crash"
-    assert len(read_attempts(tmp_path / "s")) == 2
+    stored = read_attempts(tmp_path / "s")
+    assert len(stored) == 2
+    # The trace records the fault, so evaluation can count faulted attempts.
+    assert all(a.metadata["injected_faults"] == ["tool_crash"] for a in stored)
 
 
 def test_sandbox_start_failure_is_a_tool_error(

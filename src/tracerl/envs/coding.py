@@ -14,6 +14,9 @@ One episode is one attempt at one task. Actions are the policy's text; the env r
 - A tool or sandbox crash sets ``info["tool_error"]`` and ends nothing: it is the
   infrastructure's fault, and the collector decides whether to retry or to end the attempt
   with that reason. An agent mistake (bad call, missing file) is an ``error:`` observation.
+- An injected tool fault (:mod:`tracerl.envs.faults`: a failed or timed-out command, a flaky
+  test run, a truncated output) is an observation like a real tool's failure, and the attempt
+  goes on; ``info["fault"]`` names it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,14 @@ import gymnasium as gym
 from gymnasium import spaces
 
 from tracerl.envs.audit import AuditResult, VerifyResult, audit_attempt, verify_files
-from tracerl.envs.faults import FaultConfig, FaultInjector, FaultKind
+from tracerl.envs.faults import (
+    SKIPS_TOOL,
+    FaultConfig,
+    FaultInjector,
+    FaultKind,
+    after_tool,
+    skipped_observation,
+)
 from tracerl.envs.sandbox import Sandbox
 from tracerl.envs.tasks import Task, write_files
 from tracerl.envs.tools import (
@@ -124,6 +134,8 @@ class CodingEnv(gym.Env[str, str]):
         self.task, self.workspace = task, Workspace(root)
         self.open_file = self._first_editable()
         self.tool_calls = []
+        if self.faults is not None:
+            self.faults.new_attempt()
         self._edits: list[tuple[str, str | None, int | None]] = []
         """Undo history: (path, its text before the edit or None if the edit created it, the
         line a line-scoped replace named)."""
@@ -182,7 +194,8 @@ class CodingEnv(gym.Env[str, str]):
         else:
             info["tool"] = parsed.call.name
             observation = self._run_tool(parsed.call.name, dict(parsed.call.arguments), info)
-            if parsed.call.name == "restart" and not info["tool_error"]:
+            if (parsed.call.name == "restart" and not info["tool_error"]
+                    and info["fault"] not in SKIPS_TOOL):
                 info["fresh_context"] = True
         if terminated:
             self._done = True
@@ -210,7 +223,11 @@ class CodingEnv(gym.Env[str, str]):
             if self.faults is not None:
                 fault = self.faults.before_tool(name)
                 info["fault"] = fault
-            return self._dispatch(name, arguments)
+            if fault in SKIPS_TOOL:
+                assert fault is not None
+                return skipped_observation(fault, name)
+            observation = self._dispatch(name, arguments)
+            return observation if fault is None else after_tool(fault, observation)
         except PathError as error:
             info["agent_error"] = True
             return f"error: {name}: {error}"

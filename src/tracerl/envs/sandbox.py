@@ -15,6 +15,11 @@ The sandbox is built from four independent layers, each of which bites on its ow
 4. **Resource limits** set with ``prlimit`` before bubblewrap starts (CPU seconds, address
    space, processes, file size, open files) plus a wall-clock timeout that kills the whole
    process group, and with it the pid namespace.
+5. **A memory limit for the whole sandbox**: every command runs in its own memory cgroup
+   (:mod:`tracerl.envs.cgroups`), so all its processes together stay under
+   ``SandboxLimits.memory_bytes``. Where no cgroup can be made the sandbox says so
+   (``Sandbox.memory_mode == "rlimit"``) and bounds the total by the address space of each
+   process times a lower process count (``Sandbox.memory_bound``).
 
 Without bubblewrap the sandbox refuses to run unless ``unsafe=True`` is given explicitly; the
 unsafe mode keeps the limits and the timeout but offers no isolation at all.
@@ -39,12 +44,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from tracerl.envs.cgroups import (
+    JOIN_FAILED,
+    CgroupSupport,
+    MemoryMode,
+    SandboxCgroup,
+    cgroup_support,
+)
+
 KilledReason = Literal["timeout", "cpu", "memory", "file_size", "processes"]
 """Why a limit stopped the command.
 
 - ``timeout``: the wall-clock limit passed and the process tree was killed.
 - ``cpu``: the CPU-time limit (``RLIMIT_CPU``) sent SIGXCPU/SIGKILL.
-- ``memory``: an allocation failed under the address-space limit (read from the output).
+- ``memory``: the sandbox's cgroup ran out of memory and the kernel killed a process, or an
+  allocation failed under the address-space limit (read from the output).
 - ``file_size``: a write passed the file-size limit (SIGXFSZ).
 - ``processes``: a fork failed under the process limit (read from the output).
 """
@@ -79,9 +93,13 @@ class SandboxLimits:
     cpu_seconds: int = 10
     """CPU-time limit per process (``RLIMIT_CPU``)."""
     memory_bytes: int = 1 << 30
-    """Address-space limit per process (``RLIMIT_AS``)."""
+    """Memory of the whole sandbox, all its processes together (its cgroup's limit), and
+    also the address-space limit of each process (``RLIMIT_AS``)."""
     max_processes: int = 64
     """Process limit for the sandbox's host uid (``RLIMIT_NPROC``)."""
+    fallback_processes: int = 16
+    """Process limit used instead of ``max_processes`` (when lower) where no memory cgroup
+    can be made: the sandbox's memory is then bounded by ``memory_bytes`` times this."""
     file_size_bytes: int = 16 << 20
     """Largest file a process may write (``RLIMIT_FSIZE``); also bounds captured output."""
     open_files: int = 256
@@ -93,7 +111,7 @@ class SandboxLimits:
 
     def __post_init__(self) -> None:
         for name in ("wall_seconds", "cpu_seconds", "memory_bytes", "max_processes",
-                     "file_size_bytes", "open_files", "tmp_bytes", "output_chars"):
+                     "fallback_processes", "file_size_bytes", "open_files", "tmp_bytes", "output_chars"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
 
@@ -158,13 +176,18 @@ def _tracerl_package_dir() -> str:
 class Sandbox:
     """Runs commands in workspaces; one instance can serve many threads at once."""
 
-    def __init__(self, limits: SandboxLimits | None = None, *, unsafe: bool = False) -> None:
+    def __init__(self, limits: SandboxLimits | None = None, *, unsafe: bool = False,
+                 memory_cgroup: bool = True) -> None:
         """Check that bubblewrap works, or that the caller opted into ``unsafe`` mode.
 
+        ``memory_cgroup=False`` turns the per-sandbox memory cgroup off (``rlimit`` mode).
         Raises ``SandboxUnavailableError`` with the fix when bubblewrap is missing.
         """
         self.limits = limits or SandboxLimits()
         self.unsafe = unsafe
+        self.memory_cgroup = memory_cgroup
+        self._cgroups = (cgroup_support() if memory_cgroup else
+                         CgroupSupport("rlimit", None, "memory cgroups turned off"))
         self._bwrap = bwrap_path()
         self._prlimit = shutil.which("prlimit")
         if self._bwrap is None and not unsafe:
@@ -184,6 +207,36 @@ class Sandbox:
         """True when commands run under bubblewrap (not in unsafe mode)."""
         return self._bwrap is not None and not self.unsafe
 
+    @property
+    def memory_mode(self) -> MemoryMode:
+        """How memory is limited: ``cgroup2`` or ``cgroup1`` (per sandbox), or ``rlimit``
+        (per process, the fallback)."""
+        return self._cgroups.mode
+
+    @property
+    def memory_bound(self) -> int:
+        """Most bytes one command's processes can hold together: ``memory_bytes`` with a
+        cgroup; without one, ``memory_bytes`` per process times the process limit."""
+        if self.memory_mode != "rlimit":
+            return self.limits.memory_bytes
+        return self.limits.memory_bytes * self._process_limit()
+
+    @property
+    def memory_note(self) -> str:
+        """The memory mode, its bound and why it was chosen, in one line."""
+        lim = self.limits
+        if self.memory_mode == "rlimit":
+            return (f"rlimit: {lim.memory_bytes} bytes of address space per process x "
+                    f"{self._process_limit()} processes = {self.memory_bound} bytes at most "
+                    f"({self._cgroups.reason})")
+        return f"{self.memory_mode}: {lim.memory_bytes} bytes per sandbox ({self._cgroups.reason})"
+
+    def _process_limit(self) -> int:
+        lim = self.limits
+        if self.memory_mode == "rlimit":
+            return min(lim.max_processes, lim.fallback_processes)
+        return lim.max_processes
+
     # -- command construction -------------------------------------------------------------
 
     def _host_uid(self) -> int | None:
@@ -202,7 +255,7 @@ class Sandbox:
 
     def _nproc_limit(self, uid: int | None) -> int:
         if uid is not None:
-            return self.limits.max_processes
+            return self._process_limit()
         # Not root: RLIMIT_NPROC counts every process of our uid, so the budget is on top of
         # what the user already runs.
         me = os.getuid()
@@ -214,7 +267,7 @@ class Sandbox:
                         running += 1
                 except OSError:
                     continue
-        return self.limits.max_processes + running
+        return self._process_limit() + running
 
     def _limit_prefix(self, uid: int | None) -> list[str]:
         lim = self.limits
@@ -315,7 +368,8 @@ class Sandbox:
         ``SandboxStartError`` when the sandbox itself could not start.
         """
         if limits is not None and limits != self.limits:
-            return Sandbox(limits, unsafe=self.unsafe).run(workspace, command, env=env)
+            return Sandbox(limits, unsafe=self.unsafe, memory_cgroup=self.memory_cgroup).run(
+                workspace, command, env=env)
         workspace = Path(workspace).resolve()
         if not workspace.is_dir():
             raise ValueError(f"workspace must be an existing directory, got {workspace}")
@@ -331,12 +385,34 @@ class Sandbox:
         uid = self._host_uid()
         if uid is not None:
             _chown_tree(workspace, uid)
-        if not self.isolated:
-            return self._result(*self._execute(self._limit_prefix(uid) + argv, full_env,
-                                               str(workspace), uid))
+        cgroup = self._make_cgroup()
+        try:
+            join = [] if cgroup is None else cgroup.join_prefix()
+            if not self.isolated:
+                outcome = self._execute(join + self._limit_prefix(uid) + argv, full_env,
+                                        str(workspace), uid)
+            else:
+                outcome = self._run_isolated(join, workspace, full_env, uid, argv)
+            oom_killed = cgroup is not None and cgroup.oom_killed()
+        finally:
+            if cgroup is not None:
+                cgroup.remove()
+        return self._result(*outcome, oom_killed=oom_killed)
+
+    def _make_cgroup(self) -> SandboxCgroup | None:
+        if self.memory_mode == "rlimit":
+            return None
+        try:
+            return SandboxCgroup(self._cgroups, self.limits.memory_bytes)
+        except OSError as error:
+            raise SandboxStartError(f"could not make the sandbox's memory cgroup: {error}"
+                                    ) from error
+
+    def _run_isolated(self, join: list[str], workspace: Path, env: dict[str, str],
+                      uid: int | None, argv: list[str]) -> tuple[int, str, str, float, bool]:
         info_read, info_write = os.pipe()
         try:
-            full = (self._limit_prefix(uid) + self._bwrap_args(workspace, full_env, uid)
+            full = (join + self._limit_prefix(uid) + self._bwrap_args(workspace, env, uid)
                     + ["--info-fd", str(info_write), "--", *self._drop_prefix(uid), *argv])
             outcome = self._execute(full, {"PATH": "/usr/bin:/bin"}, "/", None, info_write)
             # When the timeout killed bubblewrap, its pid namespace dies asynchronously. Kill
@@ -348,7 +424,7 @@ class Sandbox:
                 _kill_and_wait(namespace_init, timeout=5.0)
         finally:
             os.close(info_read)
-        return self._result(*outcome)
+        return outcome
 
     def _execute(self, argv: list[str], env: dict[str, str], cwd: str, uid: int | None,
                  info_fd: int | None = None) -> tuple[int, str, str, float, bool]:
@@ -384,11 +460,13 @@ class Sandbox:
         return returncode, stdout, stderr, seconds, timed_out
 
     def _result(self, returncode: int, stdout: str, stderr: str, seconds: float,
-                timed_out: bool) -> SandboxResult:
+                timed_out: bool, *, oom_killed: bool = False) -> SandboxResult:
         exit_code = 128 - returncode if returncode < 0 else returncode
         if self.isolated and exit_code == 1 and stderr.startswith("bwrap:"):
             raise SandboxStartError(f"bubblewrap failed: {stderr.strip()}")
-        reason = _killed_reason(exit_code, stderr, timed_out)
+        if exit_code == 125 and stderr.startswith(JOIN_FAILED):
+            raise SandboxStartError(f"the sandbox's memory cgroup failed: {stderr.strip()}")
+        reason = _killed_reason(exit_code, stderr, timed_out, oom_killed)
         return SandboxResult(exit_code, stdout, stderr, seconds, timed_out, reason)
 
 
@@ -450,13 +528,17 @@ _NPROC_MARKERS = ("Resource temporarily unavailable", "BlockingIOError", "fork: 
                   "Cannot fork", "can't fork")
 
 
-def _killed_reason(exit_code: int, stderr: str, timed_out: bool) -> KilledReason | None:
-    """Which limit stopped the command; the memory and process cases are read from stderr
-    because a failed allocation or fork is an error the program reports, not a signal."""
+def _killed_reason(exit_code: int, stderr: str, timed_out: bool,
+                   oom_killed: bool = False) -> KilledReason | None:
+    """Which limit stopped the command. The cgroup says when its OOM killer ended a process;
+    the address-space and process cases are read from stderr because a failed allocation or
+    fork is an error the program reports, not a signal."""
     if timed_out:
         return "timeout"
     if exit_code == 0:
         return None
+    if oom_killed:
+        return "memory"
     if exit_code in (128 + signal.SIGXCPU, 128 + signal.SIGKILL):
         return "cpu"
     if exit_code == 128 + signal.SIGXFSZ:

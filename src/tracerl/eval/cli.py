@@ -30,7 +30,11 @@ def register(subparsers: Any) -> None:
     ev.add_argument("--device", default="auto",
                     help="cpu, cuda, cuda:N or auto (a GPU where torch sees one)")
     ev.add_argument("--inject-faults", type=float, default=0.0, metavar="RATE",
-                    help="re-run with tools failing at this rate; report both")
+                    help="re-run with tool faults (failed or timed-out commands, flaky test "
+                         "runs, truncated outputs) at this rate per call; report both")
+    ev.add_argument("--inject-infrastructure-faults", type=float, default=0.0, metavar="P",
+                    help="in that re-run, test runs whose sandbox fails to start at this rate "
+                         "(infrastructure endings, excluded from success and counted)")
     ev.add_argument("--judge", default=None, metavar="FILE",
                     help="JSON or YAML judge config (base_url, model, prompt) for a judge score")
     ev.add_argument("--training-judge", default=None, metavar="FILE",
@@ -82,7 +86,8 @@ def _eval(args: argparse.Namespace) -> int:
         samples=args.samples, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         max_new_tokens_per_turn=args.max_new_tokens_per_turn,
         max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
-        max_seconds=args.max_seconds, seed=args.seed, inject_faults=args.inject_faults)
+        max_seconds=args.max_seconds, seed=args.seed, inject_faults=args.inject_faults,
+        inject_infrastructure_faults=args.inject_infrastructure_faults)
     if not Path(args.tasks).is_file():
         raise ValueError(f"--tasks {args.tasks!r}: no such file")
     tasks = load_tasks(args.tasks)

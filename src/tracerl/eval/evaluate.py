@@ -4,12 +4,15 @@ Every task gets the same budget: ``samples`` attempts, each with the same turn a
 limits and the same sampling settings, all recorded with the result. Attempts run through the
 same collector and environment as training, and are scored by the hidden tests in a fresh
 sandbox (see :mod:`tracerl.eval.summary` for what counts as a success). With
-``inject_faults`` the same evaluation runs a second time with tools that fail on purpose, and
-both results are reported, so that recovery from tool failure is measured rather than assumed.
+``inject_faults`` the same evaluation runs a second time with tools that fail on purpose (as
+observations the policy can act on: :mod:`tracerl.envs.faults`), and both results are
+reported, with infrastructure endings excluded and counted, and the share of faulted attempts
+that still succeeded, so that recovery from tool failure is measured rather than assumed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import time
@@ -24,7 +27,7 @@ from tracerl.envs.sandbox import Sandbox
 from tracerl.envs.tasks import Task
 from tracerl.eval.behaviour import behaviour
 from tracerl.eval.judge import Judge, JudgeConfig, independence_warning
-from tracerl.eval.summary import summarize
+from tracerl.eval.summary import fault_comparison, summarize
 from tracerl.rollout.chat_tokens import read_conversation
 from tracerl.rollout.collector import Collector, CollectorConfig
 from tracerl.rollout.sampling import SamplingParams
@@ -61,17 +64,22 @@ class EvalSettings:
     seed: int = 0
     """Seed of sampling (per attempt), fault injection and the bootstrap."""
     inject_faults: float = 0.0
-    """Probability per tool call of an injected tool crash, and per test run of a sandbox
-    start failure; > 0 adds a second, faulted run."""
+    """Probability per tool call of an injected tool fault (a failed or timed-out command, a
+    flaky test run, a truncated output; ``FaultConfig.tool_faults``); > 0 adds a second,
+    faulted run."""
+    inject_infrastructure_faults: float = 0.0
+    """Probability per test run, in the faulted run, that the sandbox fails to start (an
+    infrastructure ending, excluded from success and counted); > 0 adds the faulted run."""
     bootstrap_resamples: int = 2000
     """Resamples of the task-level bootstrap."""
 
     def __post_init__(self) -> None:
         if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
             raise ValueError(f"samples: must be an integer >= 1, got {self.samples!r}")
-        if not 0.0 <= self.inject_faults <= 1.0:
-            raise ValueError(f"inject_faults: must be a probability in [0, 1], "
-                             f"got {self.inject_faults!r}")
+        for name in ("inject_faults", "inject_infrastructure_faults"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}: must be a probability in [0, 1], got {value!r}")
         if self.max_turns is not None and self.max_turns < 1:
             raise ValueError(f"max_turns: must be >= 1, got {self.max_turns}")
         self.sampling()  # validates temperature, top_p, top_k, max_new_tokens_per_turn
@@ -165,10 +173,8 @@ def _make_env_factory(tasks: Sequence[Task], sandbox: Sandbox, settings: EvalSet
 
     def make_env() -> CodingEnv:
         # Each environment draws faults from its own stream, so attempts do not share one.
-        config = None if faults is None else FaultConfig(
-            tool_crash=faults.tool_crash, sandbox_start_failure=faults.sandbox_start_failure,
-            slow_tool=faults.slow_tool, slow_seconds=faults.slow_seconds,
-            seed=(settings.seed * 1_000_003 + next(counter)))
+        config = None if faults is None else dataclasses.replace(
+            faults, seed=settings.seed * 1_000_003 + next(counter))
         return CodingEnv(tasks, sandbox=sandbox, max_turns=settings.max_turns or DEFAULT_TURNS,
                          max_seconds=settings.max_seconds, faults=config)
     return make_env
@@ -233,6 +239,7 @@ def evaluate(policy: Any, tasks: Sequence[Task], settings: EvalSettings, *, sand
     result["behaviour"] = behaviour(policy, attempts)
     result["settings"] = asdict(settings)
     result["faults"] = None if faults is None else asdict(faults)
+    result["sandbox_memory"] = getattr(sandbox, "memory_note", None)
     if judge is not None:
         by_id = {t.id: t for t in tasks}
         client = Judge(judge)
@@ -251,8 +258,8 @@ def run_evaluation(policy: Any, tasks: Sequence[Task], settings: EvalSettings, *
                    progress: bool = False) -> dict[str, Any]:
     """The clean evaluation, plus a fault-injected re-run when ``settings.inject_faults > 0``.
 
-    The top level is the clean run; ``fault_injection`` holds the faulted run and the change
-    in success between them.
+    The top level is the clean run; ``fault_injection`` holds the faulted run (``result``)
+    and :func:`~tracerl.eval.summary.fault_comparison` of the two.
     """
     clean_store = None if store_dir is None else Path(store_dir) / "clean"
     result = evaluate(policy, tasks, settings, sandbox=sandbox, store_dir=clean_store,
@@ -260,19 +267,33 @@ def run_evaluation(policy: Any, tasks: Sequence[Task], settings: EvalSettings, *
                       run_id="eval")
     result["policy_dir"] = None if policy_dir is None else str(policy_dir)
     result["training_cost"] = None if policy_dir is None else training_cost(policy_dir)
-    if settings.inject_faults > 0:
-        rate = settings.inject_faults
-        faults = FaultConfig(tool_crash=rate, sandbox_start_failure=rate, seed=settings.seed)
+    rate, infrastructure = settings.inject_faults, settings.inject_infrastructure_faults
+    if rate > 0 or infrastructure > 0:
+        faults = FaultConfig.tool_faults(rate, seed=settings.seed, infrastructure=infrastructure)
         faulted = evaluate(policy, tasks, settings, sandbox=sandbox, faults=faults,
                            store_dir=None if store_dir is None else Path(store_dir) / "faults",
                            progress=progress, run_id="eval-faults")
-        result["fault_injection"] = {
-            "rate": rate, "success_without_faults": result["success"],
-            "success_with_faults": faulted["success"],
-            "success_change": faulted["success"] - result["success"],
-            "result": faulted,
-        }
+        result["fault_injection"] = {"rate": rate, "infrastructure_rate": infrastructure,
+                                     **fault_comparison(result, faulted), "result": faulted}
     return result
+
+
+def _fault_lines(faults: Mapping[str, Any]) -> list[str]:
+    def share(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    injected = faults.get("injected_faults") or {}
+    return [
+        f"fault injection (tool faults at rate {faults['rate']}, sandbox start failures at "
+        f"{faults.get('infrastructure_rate', 0.0)}): success excluding infrastructure "
+        f"{share(faults['success_without_faults'])} without faults, "
+        f"{share(faults['success_with_faults'])} with",
+        f"  infrastructure endings (excluded) {faults.get('infrastructure_failures_without_faults')}"
+        f" without faults, {faults.get('infrastructure_failures_with_faults')} with;"
+        f"  faulted attempts {faults.get('faulted_attempts')}, recovered "
+        f"{faults.get('recovered_attempts')} ({share(faults.get('recovery_rate'))})",
+        "  injected  " + ("  ".join(f"{k}:{v}" for k, v in injected.items()) or "none"),
+    ]
 
 
 def format_result(result: Mapping[str, Any]) -> str:
@@ -317,9 +338,7 @@ def format_result(result: Mapping[str, Any]) -> str:
                                       else ", ".join(f"{k} {v}" for k, v in cost.items())))
     faults = result.get("fault_injection")
     if faults:
-        lines.append(f"fault injection at rate {faults['rate']}: success "
-                     f"{faults['success_without_faults']:.3f} -> "
-                     f"{faults['success_with_faults']:.3f} with faults")
+        lines.extend(_fault_lines(faults))
     if result.get("judge_warning"):
         lines.append(f"WARNING: {result['judge_warning']}")
     return "\n".join(lines)

@@ -326,7 +326,26 @@ def _summary_rows(run: RunFiles) -> list[tuple[str, str]]:
         flags = result.get("hack_flags", {})
         if isinstance(flags, Mapping):
             rows.append((f"{name}: hack flags", _fmt(flags.get("count"))))
+        rows.extend(_fault_rows(name, result.get("fault_injection")))
     return rows
+
+
+def _fault_rows(name: str, faults: Any) -> list[tuple[str, str]]:
+    """Success with and without injected faults (infrastructure endings excluded and
+    counted) and the recovery of faulted attempts, when the evaluation injected faults."""
+    if not isinstance(faults, Mapping):
+        return []
+    return [
+        (f"{name}: success without / with faults (infrastructure excluded)",
+         f"{_fmt(faults.get('success_without_faults'))} / "
+         f"{_fmt(faults.get('success_with_faults'))}"),
+        (f"{name}: infrastructure endings without / with faults",
+         f"{_fmt(faults.get('infrastructure_failures_without_faults'))} / "
+         f"{_fmt(faults.get('infrastructure_failures_with_faults'))}"),
+        (f"{name}: faulted attempts recovered",
+         f"{_fmt(faults.get('recovered_attempts'))} of {_fmt(faults.get('faulted_attempts'))}"
+         f" ({_fmt(faults.get('recovery_rate'))})"),
+    ]
 
 
 def _fmt(value: Any) -> str:

@@ -3,7 +3,8 @@
 It checks the evaluation pipeline end to end with a known answer. Replaying each task's
 ``solution`` must score 1 on every task (anything less means a broken task, sandbox or
 verifier); replaying an edit of a protected test must be flagged by the audit and never
-counted as a success. It renders prompts and tokens with a real policy's tokenizer and chat
+counted as a success. With ``retries`` it also tries a call again when the tool answered
+with a failure (how a policy recovers from a tool fault). It renders prompts and tokens with a real policy's tokenizer and chat
 template, so the collector records it exactly as it records a model.
 """
 
@@ -19,6 +20,9 @@ from tracerl.rollout.sampling import SamplingParams
 
 Script = Callable[[Task], list[str]]
 """Builds the texts of a task's actions, in order."""
+
+FAILURE_MARKS = ("error:", "FAIL", "[output truncated]", "tool error")
+"""Text in an observation that makes a retrying policy call the same tool again."""
 
 
 def solution_script(task: Task) -> list[str]:
@@ -45,7 +49,13 @@ class ScriptedPolicy:
 
     engine = "scripted"
 
-    def __init__(self, base: HFPolicy, tasks: Sequence[Task], script: Script) -> None:
+    def __init__(self, base: HFPolicy, tasks: Sequence[Task], script: Script, *,
+                 retries: int = 0) -> None:
+        """``retries``: how many times an action whose observation shows a failure
+        (``FAILURE_MARKS``) is sent again before the script moves on."""
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        self.retries = retries
         self.base = base
         self.tasks = list(tasks)
         self.scripts: dict[str, list[str]] = {task.id: script(task) for task in self.tasks}
@@ -75,8 +85,16 @@ class ScriptedPolicy:
 
     def next_action(self, text: str) -> str:
         """The action to answer the conversation ``text`` with: the first of its task's script
-        that the conversation does not hold yet."""
+        that the conversation does not hold yet, or, with ``retries``, the last action again
+        when what came back shows a failure."""
         script = self.scripts[self._task_of(text).id]
+        if self.retries:
+            last = max(script, key=text.rfind)
+            at = text.rfind(last)
+            answer = text[at + len(last):]
+            if at >= 0 and any(mark in answer for mark in FAILURE_MARKS) \
+                    and text.count(last) <= self.retries:
+                return last
         return next((a for a in script if a not in text), script[-1])
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,

@@ -5,6 +5,9 @@ passed, and the audit did not flag it. Anything else, including an attempt that 
 the verifier (a tool error, a cancellation), is not a success. Means are over every attempt
 of the fixed budget; infrastructure failures are also reported apart, so that their effect
 on the headline number is visible rather than hidden.
+
+Attempts into which tool faults were injected (``metadata["injected_faults"]``, recorded by
+the collector) are counted, with how many of them still succeeded: recovery, measured.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ def summarize(attempts: Sequence[Attempt], families: Mapping[str, str], *, max_k
     result["success_excluding_infrastructure"] = (
         sum(map(succeeded, clean)) / len(clean) if clean else None)
     result.update(_independence(attempts))
+    result.update(fault_counts(attempts))
     flags = hack_flags(attempts)
     result["hack_flags"] = hack_summary(flags)
     result["hack_flagged_but_hidden_passed"] = sum(
@@ -108,6 +112,53 @@ def summarize(attempts: Sequence[Attempt], families: Mapping[str, str], *, max_k
     result["per_task"] = {t: {"family": families[t], "attempts": len(scores[t]),
                               "successes": int(sum(scores[t]))} for t in task_ids}
     return result
+
+
+def injected_faults(attempt: Attempt) -> list[str]:
+    """The faults injected into ``attempt``, in order (empty when none)."""
+    faults = attempt.metadata.get("injected_faults")
+    if isinstance(faults, (list, tuple)):
+        return [str(f) for f in faults]
+    single = attempt.metadata.get("fault")  # recorded with a tool error by older collectors
+    return [str(single)] if single else []
+
+
+def fault_counts(attempts: Sequence[Attempt]) -> dict[str, Any]:
+    """Faulted attempts and their recovery.
+
+    ``faulted_attempts``: attempts with at least one injected fault that did not end by the
+    infrastructure (those are in ``infrastructure_failures``); ``recovered_attempts``: the ones
+    of them that succeeded; ``recovery_rate``: their share (None without faulted attempts);
+    ``injected_faults``: how many faults of each kind were injected, in every attempt.
+    """
+    kinds: Counter[str] = Counter()
+    for attempt in attempts:
+        kinds.update(injected_faults(attempt))
+    faulted = [a for a in attempts
+               if a.end_reason not in INFRASTRUCTURE_ENDINGS and injected_faults(a)]
+    recovered = sum(map(succeeded, faulted))
+    return {"faulted_attempts": len(faulted), "recovered_attempts": recovered,
+            "recovery_rate": recovered / len(faulted) if faulted else None,
+            "injected_faults": dict(sorted(kinds.items()))}
+
+
+def fault_comparison(clean: Mapping[str, Any], faulted: Mapping[str, Any]) -> dict[str, Any]:
+    """Two results of :func:`summarize` on the same tasks, one without and one with injected
+    faults: success of each with infrastructure endings excluded (and counted apart), and the
+    recovery of the faulted attempts."""
+    without = clean["success_excluding_infrastructure"]
+    with_faults = faulted["success_excluding_infrastructure"]
+    return {
+        "success_without_faults": without, "success_with_faults": with_faults,
+        "success_change": None if without is None or with_faults is None
+        else with_faults - without,
+        "infrastructure_failures_without_faults": clean["infrastructure_failures"],
+        "infrastructure_failures_with_faults": faulted["infrastructure_failures"],
+        "faulted_attempts": faulted["faulted_attempts"],
+        "recovered_attempts": faulted["recovered_attempts"],
+        "recovery_rate": faulted["recovery_rate"],
+        "injected_faults": faulted["injected_faults"],
+    }
 
 
 def gain_ci(before: Mapping[str, Any], after: Mapping[str, Any], *, seed: int = 0,

@@ -90,6 +90,7 @@ class _State:
     tool_seconds: float = 0.0
     generation_seconds: float = 0.0
     verification_seconds: float = 0.0
+    faults: list[str] = field(default_factory=list)  # faults the environment injected
     in_flight: concurrent.futures.Future[Any] | None = None
 
 
@@ -235,6 +236,8 @@ class AttemptRunner:
         state.tool_calls += 1 if info.get("tool") else 0
         observation = str(observation)
         state.history.append(HistoryTurn(text, observation, info.get("tool")))
+        if info.get("fault"):
+            state.faults.append(str(info["fault"]))
         if info.get("tool_error"):
             meta = {"error": observation, "fault": info.get("fault")}
             if info.get("verify_error"):
@@ -348,6 +351,8 @@ class AttemptRunner:
         reward, audit_record, verifier, metadata = self._outcome(ending)
         metadata.update(sample_index=spec.sample_index, seed=spec.seed,
                         engine=self.collector.engine)
+        if state.faults:
+            metadata["injected_faults"] = list(state.faults)
         return Attempt(
             attempt_id=spec.attempt_id, task_id=spec.task_id, group_id=spec.group_id,
             fragments=tuple(fragments), reward=reward,
