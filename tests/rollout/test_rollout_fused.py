@@ -15,8 +15,9 @@ from transformers import (
 )
 
 from tracerl.models.tiny import TinyModelConfig, build_tiny_model, render_tool_call, train_tokenizer
-from tracerl.rollout import HFPolicy, SamplingParams, fused_llama, sequence_logprobs
-from tracerl.rollout.fused_llama import (
+from tracerl.rollout import HFPolicy, SamplingParams, sequence_logprobs
+from tracerl.rollout.policies import fused_llama
+from tracerl.rollout.policies.fused_llama import (
     FusedLlamaDecoder,
     fused_sequence_forward,
     length_groups,

@@ -25,9 +25,9 @@ from tracerl.envs.tasks import Task
 from tracerl.eval.behaviour import behaviour
 from tracerl.eval.judge import Judge, JudgeConfig, independence_warning
 from tracerl.eval.summary import summarize
-from tracerl.rollout.chat_tokens import read_conversation
-from tracerl.rollout.collector import Collector, CollectorConfig
-from tracerl.rollout.sampling import SamplingParams
+from tracerl.rollout.collect.chat_tokens import read_conversation
+from tracerl.rollout.collect.collector import Collector, CollectorConfig
+from tracerl.rollout.policies.sampling import SamplingParams
 from tracerl.trace.schema import Attempt, Role
 from tracerl.trace.store import TraceStore
 
@@ -86,7 +86,7 @@ def load_policy(path: str | Path, device: str = "cpu") -> Any:
     ``cuda:N`` or ``auto``); ValueError says why it cannot."""
     import torch
 
-    from tracerl.rollout.policy_hf import HFPolicy
+    from tracerl.rollout.policies.hf import HFPolicy
     from tracerl.train.config import resolve_device
 
     where = resolve_device(device, field="--device")

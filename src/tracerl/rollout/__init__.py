@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from tracerl.rollout.collector import Collector, CollectorConfig, CollectResult
-from tracerl.rollout.compaction import (
+from tracerl.rollout.collect.collector import Collector, CollectorConfig, CollectResult
+from tracerl.rollout.collect.compaction import (
     CompactionConfig,
     PolicySummarizer,
     Summarizer,
     TemplateSummarizer,
 )
-from tracerl.rollout.policy_hf import Completion, FinishReason, HFPolicy
-from tracerl.rollout.sampling import (
+from tracerl.rollout.policies.hf import Completion, FinishReason, HFPolicy
+from tracerl.rollout.policies.sampling import (
     LogprobProcessing,
     SamplingParams,
     logprobs_from_logits,

@@ -52,9 +52,9 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"serve needs the serve extra ({error.name} is missing): "
                          "pip install 'tracerl[serve]'") from None
     from tracerl.models.tiny import load_tiny
-    from tracerl.rollout.policy_hf import HFPolicy
-    from tracerl.rollout.serve import TracingServer, run_server
-    from tracerl.rollout.serve_trace import SessionRecorder
+    from tracerl.rollout.policies.hf import HFPolicy
+    from tracerl.rollout.serve.recorder import SessionRecorder
+    from tracerl.rollout.serve.server import TracingServer, run_server
     from tracerl.trace.store import TraceStore
 
     model, tokenizer = load_tiny(args.model)

@@ -87,7 +87,7 @@ class TasksConfig:
     policy learns to copy names from what it reads instead of memorising the suite's."""
     fresh_locals: bool = False
     """Renamed copies also give the module's local variables fresh names
-    (``train.augment.fresh_local_names``): a local the fix must return is then read, not
+    (``envs.suite.augment.fresh_local_names``): a local the fix must return is then read, not
     recalled."""
     rl_count: int = 0
     """Built-in train tasks made for RL only (with their renamed copies), after the
@@ -145,11 +145,11 @@ class SFTConfig:
     names from what it reads much sooner when it also learns to predict what it reads."""
     fresh_names: float = 0.0
     """Probability that a demonstration, each time it is drawn for a batch, is renamed with a
-    freshly drawn function/module name (see ``train.augment``): the policy must then copy the
+    freshly drawn function/module name (see ``envs.suite.augment``): the policy must then copy the
     name it reads, as it will have to on held-out tasks, instead of recalling it."""
     fresh_locals: float = 0.0
     """Probability that a demonstration, each time it is drawn, also has its task's local
-    variables renamed with freshly drawn names (``train.augment.fresh_local_names``): the
+    variables renamed with freshly drawn names (``envs.suite.augment.fresh_local_names``): the
     composed templates fix one set of locals per body, which a small policy otherwise
     recalls instead of copying."""
     implicit_path: bool = False
@@ -224,7 +224,7 @@ class RolloutConfig:
     system_prompt: str | None = None
     """System message before the first observation."""
     constrain_edits: bool = False
-    """Constrained decoding of ``replace``'s ``old`` (``rollout.constraints``): inside that
+    """Constrained decoding of ``replace``'s ``old`` (``rollout.decoding.constraints``): inside that
     string the sampler may only write a piece of the named line of the open file, closed
     where it occurs once, as grammar-constrained decoding keeps tool calls well-formed. The
     policy still chooses the tool, the line, the piece and the ``new`` text. Applies to
@@ -232,13 +232,13 @@ class RolloutConfig:
     policies, so ``tracerl eval`` decodes them the same way); the behavior logprob is the
     masked distribution's, the PPO ratio's old policy the unmasked one (``mismatch.*``)."""
     constrain_new: bool = False
-    """Constrained decoding of ``replace``'s ``new`` (``rollout.constraints``): every name it
+    """Constrained decoding of ``replace``'s ``new`` (``rollout.decoding.constraints``): every name it
     completes is one the open file holds or a Python keyword (monitor-guided decoding's names
     in scope; a builtin the file does not use cannot be written), and it is never closed
     equal to the call's ``old``; numbers, operators and spacing stay free. Applies to training rollouts and every evaluation, and
     is recorded beside saved policies like ``constrain_edits``, with the same accounting."""
     constrain_calls: bool = False
-    """Grammar-constrained tool calls (``rollout.grammar``): the sampler only draws tokens
+    """Grammar-constrained tool calls (``rollout.decoding.grammar``): the sampler only draws tokens
     that keep an action one well-formed call of one of the environment's tools, as serving
     stacks' structured output for function calling does; what the call says stays the
     policy's. Recorded beside saved policies like ``constrain_edits``, with the same

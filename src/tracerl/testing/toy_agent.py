@@ -20,8 +20,8 @@ from tracerl.models.tiny import (
     render_tool_call,
     train_tokenizer,
 )
-from tracerl.rollout.chat_tokens import ChatTokens
-from tracerl.rollout.policy_hf import HFPolicy
+from tracerl.rollout.collect.chat_tokens import ChatTokens
+from tracerl.rollout.policies.hf import HFPolicy
 
 TOY_MODEL = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
                             max_positions=1024)

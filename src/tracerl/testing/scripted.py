@@ -14,8 +14,8 @@ from typing import Any
 
 from tracerl.envs.tasks import Task
 from tracerl.models.tiny import render_tool_call
-from tracerl.rollout.policy_hf import Completion, HFPolicy
-from tracerl.rollout.sampling import SamplingParams
+from tracerl.rollout.policies.hf import Completion, HFPolicy
+from tracerl.rollout.policies.sampling import SamplingParams
 
 Script = Callable[[Task], list[str]]
 """Builds the texts of a task's actions, in order."""

@@ -25,12 +25,12 @@ from typing import Any, Literal
 import torch
 
 from tracerl.core import loss_weights
+from tracerl.envs.suite.augment import RENAMED_MARK, module_name, rename_locals_text, rename_text
 from tracerl.envs.tasks import Task
 from tracerl.envs.tools import parse_tool_call
 from tracerl.models.tiny import render_tool_call
-from tracerl.rollout.chat_tokens import ChatTokens
-from tracerl.rollout.sampling import logprobs_from_logits
-from tracerl.train.augment import RENAMED_MARK, module_name, rename_locals_text, rename_text
+from tracerl.rollout.collect.chat_tokens import ChatTokens
+from tracerl.rollout.policies.sampling import logprobs_from_logits
 
 DemoKind = Literal["correct", "checked", "wrong", "wrong_checked", "recovery", "retry",
                    "search"]

@@ -1,19 +1,19 @@
 """A local policy over any transformers causal LM: batched sampling with true behavior logprobs.
 
 ``HFPolicy.generate`` runs one lean decoding loop per batch: a single forward per step with a
-KV cache, sampling in a handful of tensor ops (``rollout.sampling.processed_logprobs`` and an
+KV cache, sampling in a handful of tensor ops (``rollout.policies.sampling.processed_logprobs`` and an
 exponential race), and no logits-processor objects. That loop, not the model, is most of the
 cost of ``model.generate`` for small models, which is why this exists (see ``bench/sampling.py``).
 For Llama-architecture models (Llama, Qwen2, Mistral without sliding window) the forward itself
-is replaced by ``rollout.fused_llama``: packed projections, a preallocated cache and
+is replaced by ``rollout.policies.fused_llama``: packed projections, a preallocated cache and
 ``scaled_dot_product_attention``, the same logits to float rounding; other models, or
 ``decode="hf"``, use the transformers forward. On the fused path a prompt that extends an
 earlier call's row (a conversation's next turn) is prefilled from that row's kept keys and
-values (``rollout.prefix_cache``), emptied whenever the weights change.
+values (``rollout.policies.prefix_cache``), emptied whenever the weights change.
 
 Accounting: each sampled token's logprob is recorded under the distribution it was drawn from
 (temperature, top-k, top-p, renormalised), and every completion carries the ``policy_version``
-that sampled it. ``rollout.sampling.sequence_logprobs`` with the same params reproduces those
+that sampled it. ``rollout.policies.sampling.sequence_logprobs`` with the same params reproduces those
 numbers from a single forward pass over prompt + completion.
 """
 
@@ -26,15 +26,15 @@ from typing import Any, Literal
 
 import torch
 
-from tracerl.rollout.constraints import TokenConstraint, apply_constraints
-from tracerl.rollout.fused_llama import (
+from tracerl.rollout.decoding.constraints import TokenConstraint, apply_constraints
+from tracerl.rollout.policies.fused_llama import (
     FusedLlamaDecoder,
     PackedLlama,
     pack_llama,
     unsupported_reason,
 )
-from tracerl.rollout.prefix_cache import PrefixCache
-from tracerl.rollout.sampling import SamplingParams, processed_logprobs
+from tracerl.rollout.policies.prefix_cache import PrefixCache
+from tracerl.rollout.policies.sampling import SamplingParams, processed_logprobs
 
 FinishReason = Literal["stop", "length"]
 """Why a completion ended: ``"stop"`` at a stop token or string; ``"length"`` at the token limit
@@ -46,7 +46,7 @@ CacheKind = Literal["auto", "static", "dynamic"]
 the model declares support for it. Used by the transformers decode path only."""
 
 DecodeKind = Literal["auto", "fused", "hf"]
-"""Which forward decodes: ``"fused"`` is ``rollout.fused_llama`` (Llama-architecture models
+"""Which forward decodes: ``"fused"`` is ``rollout.policies.fused_llama`` (Llama-architecture models
 only; ValueError otherwise); ``"hf"`` is the model's own forward with a transformers cache;
 ``"auto"`` is fused when the model qualifies and no cache kind was named explicitly."""
 
@@ -133,7 +133,7 @@ class HFPolicy:
         self._pad_id = self._first_id(getattr(tokenizer, "pad_token_id", None), default=0)
         self._eos_ids = self._eos_token_ids()
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
-        """Keys and values of earlier calls' rows (fused path; ``rollout.prefix_cache``): a
+        """Keys and values of earlier calls' rows (fused path; ``rollout.policies.prefix_cache``): a
         prompt that extends one (a conversation's next turn) computes only its new tokens.
         ``prefix_cache_bytes=0`` turns it off."""
 
@@ -213,7 +213,7 @@ class HFPolicy:
                 generator, so a prompt's completion does not depend on which other prompts share
                 its batch (up to float rounding of batched matrix products). Without it, one
                 generator seeded by ``params.seed`` serves the whole call.
-            constraints: optional rule per prompt (``rollout.constraints``; None for none):
+            constraints: optional rule per prompt (``rollout.decoding.constraints``; None for none):
                 before each token the row's completion so far is decoded and the rule's mask
                 applied, and the recorded logprob is the masked distribution's (greedy rows
                 take the masked arg-max).

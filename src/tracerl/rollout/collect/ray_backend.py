@@ -29,8 +29,8 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tracerl.rollout.policy_hf import Completion
-from tracerl.rollout.sampling import SamplingParams
+from tracerl.rollout.policies.hf import Completion
+from tracerl.rollout.policies.sampling import SamplingParams
 
 
 class EnvActorDied(RuntimeError):
