@@ -23,8 +23,8 @@ from tracerl.envs.suite import generate_split
 from tracerl.envs.tools import parse_tool_call
 from tracerl.models.tiny import build_tiny_model, render_tool_call, train_tokenizer
 from tracerl.rollout.collect.collector import Collector, CollectorConfig, attempt_seed
-from tracerl.rollout.policies.hf import Completion, HFPolicy
-from tracerl.rollout.policies.sampling import SamplingParams
+from tracerl.rollout.policies.hf import HFPolicy
+from tracerl.rollout.policies.sampling import Completion, SamplingParams
 from tracerl.testing.scripted import ScriptedPolicy
 from tracerl.testing.toy_agent import TOY_MODEL, toy_tool_policy
 from tracerl.trace import EndReason, Role, TraceStore, check_attempt, read_attempts

@@ -24,8 +24,8 @@ from tracerl.rollout.collect.compaction import (
     PolicySummarizer,
     TemplateSummarizer,
 )
-from tracerl.rollout.policies.hf import Completion, HFPolicy
-from tracerl.rollout.policies.sampling import SamplingParams
+from tracerl.rollout.policies.hf import HFPolicy
+from tracerl.rollout.policies.sampling import Completion, SamplingParams
 from tracerl.testing.toy_agent import TOY_MODEL
 from tracerl.trace import EndReason, Role, TraceStore, pack, read_attempts
 

@@ -10,7 +10,8 @@ import torch
 
 from tracerl.models.tiny import render_tool_call
 from tracerl.rollout import HFPolicy, SamplingParams
-from tracerl.rollout.policies.fused_llama import FusedLlamaDecoder, pack_llama
+from tracerl.rollout.policies.fused_decoder import FusedLlamaDecoder
+from tracerl.rollout.policies.fused_llama import pack_llama
 from tracerl.rollout.policies.prefix_cache import PrefixCache
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -92,7 +92,7 @@ def test_positive_nll_adds_minus_log_pi_on_positive_advantage_tokens_only() -> N
 
 
 def demonstration_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from tracerl.envs.suite.demonstrator import pad_sequences
+    from tracerl.train.sft import pad_sequences
 
     generator = torch.Generator().manual_seed(3)
     rows = []
@@ -106,7 +106,7 @@ def test_mixed_demonstrations_add_their_supervised_gradient_once() -> None:
     """``update.sft_coef`` adds coef x the warm start's loss on the demonstrations to a step:
     with every advantage 0 the step's gradient is exactly that term's, and the micro-batch
     size (which splits only the RL rows) leaves the step unchanged."""
-    from tracerl.envs.suite.demonstrator import demonstration_loss
+    from tracerl.train.sft import demonstration_loss
 
     demos = demonstration_rows()
     batch = freeze_old(make_model(), make_batch(), micro_batch_rows=4)

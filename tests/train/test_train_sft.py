@@ -24,8 +24,6 @@ from tracerl.envs.suite.demonstrator import (
     plan_kind,
     play_demonstration,
     search_candidates,
-    supervised_finetune,
-    tokenize_demonstration,
     wrong_fix,
 )
 from tracerl.envs.tasks import Task
@@ -33,6 +31,7 @@ from tracerl.envs.tools import parse_tool_call
 from tracerl.models.tiny import build_tiny_model, train_tokenizer
 from tracerl.rollout import HFPolicy
 from tracerl.rollout.collect.chat_tokens import ChatTokens
+from tracerl.train.sft import supervised_finetune, tokenize_demonstration
 
 
 def test_bug_line_and_wrong_fix() -> None:
@@ -498,7 +497,7 @@ def test_train_seed_redraws_the_train_split_only(tmp_path) -> None:
 
 
 def test_length_window_regroups_each_window_by_length(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tracerl.envs.suite.demonstrator as sft
+    import tracerl.train.sft as sft
 
     tokenizer = train_tokenizer(["def f(x):\n    return x + 1\n"] * 4, vocab_size=300)
     sequences = [([5 + (k % 7)] * (3 + k), [True] * (3 + k)) for k in range(16)]

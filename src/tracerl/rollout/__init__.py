@@ -9,8 +9,10 @@ from tracerl.rollout.collect.compaction import (
     Summarizer,
     TemplateSummarizer,
 )
-from tracerl.rollout.policies.hf import Completion, FinishReason, HFPolicy
+from tracerl.rollout.policies.hf import HFPolicy
 from tracerl.rollout.policies.sampling import (
+    Completion,
+    FinishReason,
     LogprobProcessing,
     SamplingParams,
     logprobs_from_logits,

@@ -14,12 +14,8 @@ from typing import Any
 
 import torch
 
-from tracerl.models.tiny import (
-    TinyModelConfig,
-    build_tiny_model,
-    render_tool_call,
-    train_tokenizer,
-)
+from tracerl.hermes import render_tool_call
+from tracerl.models.tiny import TinyModelConfig, build_tiny_model, train_tokenizer
 from tracerl.rollout.collect.chat_tokens import ChatTokens
 from tracerl.rollout.policies.hf import HFPolicy
 

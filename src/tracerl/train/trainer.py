@@ -35,7 +35,7 @@ from tracerl.core import kl_reward_penalty, loss_weights, mismatch_metrics
 from tracerl.envs import CodingEnv, Sandbox, Task, load_tasks
 from tracerl.envs.suite import generate_split
 from tracerl.envs.suite.augment import renamed_copies
-from tracerl.envs.suite.demonstrator import Demonstration, supervised_finetune
+from tracerl.envs.suite.demonstrator import Demonstration
 from tracerl.envs.tools import parse_tool_call
 from tracerl.rollout import HFPolicy, SamplingParams
 from tracerl.rollout.collect.chat_tokens import (
@@ -59,6 +59,7 @@ from tracerl.train.config import TrainConfig, config_changes, dump_config, resol
 from tracerl.train.demos import DemonstrationSet, Redraw, TokenizedDemo
 from tracerl.train.edit_text import edit_text_mask
 from tracerl.train.metrics import MetricsWriter, StepProgress
+from tracerl.train.sft import supervised_finetune
 from tracerl.train.update import (
     ActorCritic,
     DemonstrationBatch,

@@ -38,7 +38,6 @@ from tracerl.core import (
     truncated_importance_weights,
     value_loss,
 )
-from tracerl.envs.suite.demonstrator import demonstration_loss
 from tracerl.rollout.policies.fused_llama import (
     fused_head,
     fused_sequence_forward,
@@ -46,6 +45,7 @@ from tracerl.rollout.policies.fused_llama import (
 )
 from tracerl.rollout.policies.sampling import logprobs_from_logits
 from tracerl.train.config import CriticConfig, UpdateConfig
+from tracerl.train.sft import demonstration_loss
 
 DemonstrationBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """Padded demonstrations ``(ids, attention, action)``, each (B, T), from

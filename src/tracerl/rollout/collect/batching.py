@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tracerl.rollout.decoding.constraints import TokenConstraint
-from tracerl.rollout.policies.hf import Completion
-from tracerl.rollout.policies.sampling import SamplingParams
+from tracerl.rollout.policies.sampling import Completion, SamplingParams
 
 
 class SamplingPolicy(Protocol):

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from tracerl.models.tiny import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from tracerl.hermes import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 State = tuple[Any, ...]
 """A machine state: ``("lit", rest, then)`` (the literal ``rest`` must come, then state

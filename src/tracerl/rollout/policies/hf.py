@@ -21,24 +21,24 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from tracerl.rollout.decoding.constraints import TokenConstraint, apply_constraints
+from tracerl.rollout.policies.fused_decoder import FusedLlamaDecoder
 from tracerl.rollout.policies.fused_llama import (
-    FusedLlamaDecoder,
     PackedLlama,
     pack_llama,
     unsupported_reason,
 )
 from tracerl.rollout.policies.prefix_cache import PrefixCache
-from tracerl.rollout.policies.sampling import SamplingParams, processed_logprobs
-
-FinishReason = Literal["stop", "length"]
-"""Why a completion ended: ``"stop"`` at a stop token or string; ``"length"`` at the token limit
-(``max_new_tokens`` or the model's context)."""
+from tracerl.rollout.policies.sampling import (
+    Completion,
+    FinishReason,
+    SamplingParams,
+    processed_logprobs,
+)
 
 CacheKind = Literal["auto", "static", "dynamic"]
 """KV cache: ``"static"`` preallocates prompt + new tokens once (no per-step copies);
@@ -49,25 +49,6 @@ DecodeKind = Literal["auto", "fused", "hf"]
 """Which forward decodes: ``"fused"`` is ``rollout.policies.fused_llama`` (Llama-architecture models
 only; ValueError otherwise); ``"hf"`` is the model's own forward with a transformers cache;
 ``"auto"`` is fused when the model qualifies and no cache kind was named explicitly."""
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One sampled continuation of one prompt."""
-
-    token_ids: tuple[int, ...]
-    """Sampled tokens, in order; a stop token, when one ended the completion, is the last."""
-    logprobs: tuple[float, ...]
-    """Behavior logprob of each sampled token under the processed distribution it was drawn
-    from; 0.0 for every token of a greedy completion (a point mass)."""
-    finish_reason: FinishReason
-    """``"stop"`` (stop token or stop string) or ``"length"`` (token limit or context full)."""
-    text: str
-    """``tokenizer.decode(token_ids, skip_special_tokens=True)``; nothing is cut at a stop string."""
-    stop_reason: int | str | None
-    """The stop token id or stop string that ended the completion; None for ``"length"``."""
-    policy_version: int
-    """``HFPolicy.policy_version`` when these tokens were sampled."""
 
 
 def _model_context_length(model: torch.nn.Module) -> int | None:
