@@ -86,8 +86,8 @@ def load_policy(path: str | Path, device: str = "cpu") -> Any:
     ``cuda:N`` or ``auto``); ValueError says why it cannot."""
     import torch
 
+    from tracerl.models.device import resolve_device
     from tracerl.rollout.policies.hf import HFPolicy
-    from tracerl.train.config import resolve_device
 
     where = resolve_device(device, field="--device")
 

@@ -22,15 +22,14 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-import torch
 import yaml
 
+from tracerl.models.device import resolve_device
+from tracerl.train.algorithms import ESTIMATORS
+
 Estimator = Literal["grpo", "rloo", "gae", "gigpo"]
-"""Advantage estimators of :mod:`tracerl.train.algorithms` (the registry's names)."""
-GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "gigpo")
-"""Estimators that compare whole attempts at the same task and need groups of >= 2."""
-CRITIC_ESTIMATORS: tuple[str, ...] = ("gae",)
-"""Estimators that need a learned critic."""
+"""Advantage estimators of :mod:`tracerl.train.algorithms` (the registry's names; what each
+needs, a critic or groups, is on its registry entry)."""
 
 
 @dataclass(frozen=True)
@@ -636,29 +635,6 @@ def dump_config(config: TrainConfig) -> str:
 # -- validation -------------------------------------------------------------------------------
 
 
-def resolve_device(name: str, field: str = "model.device") -> torch.device:
-    """``name`` (cpu, cuda, cuda:N or auto) as a torch device; ValueError, naming ``field``,
-    if it is not one this machine has."""
-    text = name.strip().lower()
-    if text == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        device = torch.device("meta")  # not a device name at all: refused below
-    if device.type == "cpu":
-        return device
-    if device.type != "cuda":
-        raise ValueError(f"{field}: expected cpu, cuda, cuda:N or auto, got {name!r}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"{field}: {name!r} asked for, but this torch sees no CUDA device "
-                         "(use cpu, or auto to take a GPU only where there is one)")
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"{field}: {name!r} asked for, but torch sees "
-                         f"{torch.cuda.device_count()} CUDA device(s)")
-    return device
-
-
 def validate(config: TrainConfig) -> None:
     """Cross-field rules, checked once before any compute; ValueError names the fields."""
     r, a, c, u = config.rollout, config.algorithm, config.critic, config.update
@@ -756,16 +732,20 @@ def validate(config: TrainConfig) -> None:
     for name, rate in {"update.lr": u.lr, "sft.lr": config.sft.lr, "critic.lr": c.lr}.items():
         if not rate > 0:
             raise ValueError(f"{name}: must be > 0, got {rate}")
-    if a.estimator in CRITIC_ESTIMATORS and c.kind == "none":
+    if a.estimator not in ESTIMATORS:
+        raise ValueError(f"algorithm.estimator: unknown {a.estimator!r}; "
+                         f"registered: {sorted(ESTIMATORS)}")
+    needs = ESTIMATORS[a.estimator]
+    if needs.needs_critic and c.kind == "none":
         raise ValueError(f"algorithm.estimator: {a.estimator!r} needs a critic; set "
                          "critic.kind to 'value_head' or 'separate'")
-    if a.estimator in GROUP_ESTIMATORS and r.group_size < 2:
+    if needs.needs_groups and r.group_size < 2:
         raise ValueError(f"rollout.group_size: {a.estimator!r} compares attempts at the same "
                          f"task and needs groups of at least 2, got {r.group_size}")
-    if c.kind != "none" and a.estimator not in CRITIC_ESTIMATORS:
+    if c.kind != "none" and not needs.needs_critic:
         raise ValueError(f"critic.kind: {c.kind!r} is set but algorithm.estimator "
                          f"{a.estimator!r} does not use a critic; set critic.kind: none")
-    if u.kl_in == "reward" and u.kl_coef > 0 and a.estimator not in CRITIC_ESTIMATORS:
+    if u.kl_in == "reward" and u.kl_coef > 0 and not needs.needs_critic:
         raise ValueError("update.kl_in: a per-token KL reward needs a token-level estimator "
                          "(gae); use kl_in: loss with group methods")
     if u.loss_mode == "constant" and (u.loss_constant is None or u.loss_constant <= 0):

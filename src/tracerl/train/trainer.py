@@ -37,6 +37,7 @@ from tracerl.envs.suite import generate_split
 from tracerl.envs.suite.augment import renamed_copies
 from tracerl.envs.suite.demonstrator import Demonstration
 from tracerl.envs.tools import parse_tool_call
+from tracerl.models.device import resolve_device
 from tracerl.rollout import HFPolicy, SamplingParams
 from tracerl.rollout.collect.chat_tokens import (
     CONVERSATION_FILE,
@@ -55,7 +56,7 @@ from tracerl.train.algorithms import (
     compute_advantages,
     group_outcome_metrics,
 )
-from tracerl.train.config import TrainConfig, config_changes, dump_config, resolve_device
+from tracerl.train.config import TrainConfig, config_changes, dump_config
 from tracerl.train.demos import DemonstrationSet, Redraw, TokenizedDemo
 from tracerl.train.edit_text import edit_text_mask
 from tracerl.train.metrics import MetricsWriter, StepProgress
