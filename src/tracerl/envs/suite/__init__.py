@@ -3,8 +3,8 @@ held-out split that share no templates.
 
 Beside the generator (``generate``, ``compose``, ``templates``) are the suite's recipe parts:
 ``demonstrator`` (scripted, imperfect attempts at these tasks, played in the environment, that
-the demo's warm start learns from) and ``augment`` (renamed copies of tasks and of their
-demonstrations). The library that trains on demonstrations is ``tracerl.train.sft``.
+the demo's warm start learns from) and ``augment`` (renamed copies of tasks: fresh function, module
+and local names). The library that trains on demonstrations is ``tracerl.train.sft``.
 """
 
 from __future__ import annotations
