@@ -13,7 +13,7 @@ process is a child of the sandbox's namespace init, is reaped there, and its CPU
 reaches this process's ``RUSAGE_CHILDREN``. Run it on an otherwise idle machine (everything
 running counts). The process-tree figure (this process plus waited-for children: the model,
 the event loop, bubblewrap itself) is printed beside it. The policy is the toy tiny model fitted to call
-``run_tests`` and then ``submit`` (``rollout.toy_agent``), sampled greedily, so every attempt
+``run_tests`` and then ``submit`` (``testing.toy_agent``), sampled greedily, so every attempt
 runs the visible tests once and the verifier twice (hidden and visible tests).
 
 Run: ``python bench/collector.py`` (``--help`` for sizes). Needs bubblewrap.
@@ -30,9 +30,9 @@ import torch
 from tracerl.envs import TOOL_SCHEMAS, CodingEnv, Sandbox
 from tracerl.envs.suite import generate_split
 from tracerl.models.tiny import render_tool_call
-from tracerl.rollout.collector import Collector, CollectorConfig
-from tracerl.rollout.sampling import SamplingParams
-from tracerl.rollout.toy_agent import toy_tool_policy
+from tracerl.rollout.collect.collector import Collector, CollectorConfig
+from tracerl.rollout.policies.sampling import SamplingParams
+from tracerl.testing.toy_agent import toy_tool_policy
 
 TOOLS = tuple(s for s in TOOL_SCHEMAS if s["function"]["name"] in ("run_tests", "submit"))
 

@@ -5,7 +5,7 @@ Claim: on the demo's tiny model (``tracerl.models.tiny``, default shape) and 2 C
 and at least 1.5x the tokens/s of one batched ``model.generate`` call.
 
 ``HFPolicy`` is timed on both of its decode paths: ``decode="fused"`` (the default for this
-Llama model: ``rollout.fused_llama``) and ``decode="hf"`` (the same sampling loop over the
+Llama model: ``rollout.policies.fused_llama``) and ``decode="hf"`` (the same sampling loop over the
 transformers forward), so the share of each part of the speed-up is visible.
 
 All three sample the same prompts (varied lengths, left-padded where batched) at temperature 1

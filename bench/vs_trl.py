@@ -73,8 +73,8 @@ from tracerl.models.tiny import (
     save_tiny,
     train_tokenizer,
 )
-from tracerl.rollout.policy_hf import HFPolicy
-from tracerl.rollout.sampling import SamplingParams
+from tracerl.rollout.policies.hf import HFPolicy
+from tracerl.rollout.policies.sampling import SamplingParams
 from tracerl.train.config import CriticConfig, UpdateConfig
 from tracerl.train.update import ActorCritic, RowBatch, freeze_old, make_adamw, ppo_update
 

@@ -22,7 +22,6 @@ from tracerl.eval.evaluate import (
     run_evaluation,
     turn_cap,
 )
-from tracerl.eval.scripted import ScriptedPolicy, protected_edit_script, solution_script
 from tracerl.models.tiny import (
     TinyModelConfig,
     build_tiny_model,
@@ -30,6 +29,7 @@ from tracerl.models.tiny import (
     save_tiny,
     train_tokenizer,
 )
+from tracerl.testing.scripted import ScriptedPolicy, protected_edit_script, solution_script
 from tracerl.trace.schema import EndReason
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
@@ -254,7 +254,7 @@ def test_a_checkpoint_is_evaluated_with_the_conversation_format_it_was_trained_o
     from tracerl.envs.sandbox import Sandbox
     from tracerl.envs.tasks import load_tasks
     from tracerl.eval.evaluate import EvalSettings, collect_attempts, load_policy
-    from tracerl.rollout.chat_tokens import write_conversation
+    from tracerl.rollout.collect.chat_tokens import write_conversation
     from tracerl.trace.schema import Role
 
     trained = tmp_path / "trained"

@@ -21,12 +21,12 @@ import torch
 from tracerl.envs import TOOL_SCHEMAS, CodingEnv, FaultConfig, Sandbox
 from tracerl.envs.suite import generate_split
 from tracerl.envs.tools import parse_tool_call
-from tracerl.eval.scripted import ScriptedPolicy
 from tracerl.models.tiny import build_tiny_model, render_tool_call, train_tokenizer
-from tracerl.rollout.collector import Collector, CollectorConfig, attempt_seed
-from tracerl.rollout.policy_hf import Completion, HFPolicy
-from tracerl.rollout.sampling import SamplingParams
-from tracerl.rollout.toy_agent import TOY_MODEL, toy_tool_policy
+from tracerl.rollout.collect.collector import Collector, CollectorConfig, attempt_seed
+from tracerl.rollout.policies.hf import HFPolicy
+from tracerl.rollout.policies.sampling import Completion, SamplingParams
+from tracerl.testing.scripted import ScriptedPolicy
+from tracerl.testing.toy_agent import TOY_MODEL, toy_tool_policy
 from tracerl.trace import EndReason, Role, TraceStore, check_attempt, read_attempts
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
@@ -364,7 +364,7 @@ def test_constrain_edits_gives_each_turn_the_open_files_rule_and_records_it(
 
 def test_constrain_new_gives_each_turn_the_open_files_names_and_records_them(
         toy: RecordingPolicy, tasks: list[Any], sandbox: Sandbox, tmp_path: Path) -> None:
-    from tracerl.rollout.constraints import NewTextConstraint
+    from tracerl.rollout.decoding.constraints import NewTextConstraint
 
     with _rules_seen(toy) as seen, TraceStore(tmp_path / "store") as store:
         result = _collector(toy, tasks[:1], sandbox, store, constrain_new=True,
@@ -382,7 +382,7 @@ def test_constrain_new_gives_each_turn_the_open_files_names_and_records_them(
 
 def test_constrain_calls_with_edits_gives_each_turn_both_rules_and_records_them(
         toy: RecordingPolicy, tasks: list[Any], sandbox: Sandbox, tmp_path: Path) -> None:
-    from tracerl.rollout.grammar import AllRules, ToolCallRule
+    from tracerl.rollout.decoding.grammar import AllRules, ToolCallRule
 
     with _rules_seen(toy) as seen, TraceStore(tmp_path / "store") as store:
         result = _collector(toy, tasks[:1], sandbox, store, constrain_edits=True,

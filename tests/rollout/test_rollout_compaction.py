@@ -16,17 +16,17 @@ from tracerl.core.advantages import batch_gae
 from tracerl.envs import TOOL_SCHEMAS, CodingEnv, Sandbox
 from tracerl.envs.suite import generate_split
 from tracerl.models.tiny import build_tiny_model, train_tokenizer
-from tracerl.rollout.collector import Collector, CollectorConfig
-from tracerl.rollout.compaction import (
+from tracerl.rollout.collect.collector import Collector, CollectorConfig
+from tracerl.rollout.collect.compaction import (
     CompactionConfig,
     History,
     HistoryTurn,
     PolicySummarizer,
     TemplateSummarizer,
 )
-from tracerl.rollout.policy_hf import Completion, HFPolicy
-from tracerl.rollout.sampling import SamplingParams
-from tracerl.rollout.toy_agent import TOY_MODEL
+from tracerl.rollout.policies.hf import HFPolicy
+from tracerl.rollout.policies.sampling import Completion, SamplingParams
+from tracerl.testing.toy_agent import TOY_MODEL
 from tracerl.trace import EndReason, Role, TraceStore, pack, read_attempts
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")

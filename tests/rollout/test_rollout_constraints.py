@@ -10,7 +10,7 @@ import torch
 
 from tracerl.models.tiny import render_tool_call
 from tracerl.rollout import HFPolicy, SamplingParams, sequence_logprobs
-from tracerl.rollout.constraints import (
+from tracerl.rollout.decoding.constraints import (
     PYTHON_NAMES,
     EditConstraint,
     NameScope,
@@ -179,7 +179,7 @@ class _ServedPolicy:
 
 
 def test_collector_refuses_the_rule_for_a_policy_that_cannot_apply_it() -> None:
-    from tracerl.rollout.collector import Collector, CollectorConfig
+    from tracerl.rollout.collect.collector import Collector, CollectorConfig
 
     with pytest.raises(ValueError, match="constrain_edits: _ServedPolicy applies no decoding"):
         Collector(_ServedPolicy(), lambda: None, None,  # type: ignore[arg-type]

@@ -15,11 +15,11 @@ from transformers import (
 )
 
 from tracerl.models.tiny import TinyModelConfig, build_tiny_model, render_tool_call, train_tokenizer
-from tracerl.rollout import HFPolicy, SamplingParams, fused_llama, sequence_logprobs
-from tracerl.rollout.fused_llama import (
-    FusedLlamaDecoder,
+from tracerl.rollout import HFPolicy, SamplingParams, sequence_logprobs
+from tracerl.rollout.policies import fused_decoder
+from tracerl.rollout.policies.fused_decoder import FusedLlamaDecoder, length_groups
+from tracerl.rollout.policies.fused_llama import (
     fused_sequence_forward,
-    length_groups,
     pack_llama,
     rope_inv_freq,
     shared_prefix_owner,
@@ -257,7 +257,7 @@ def test_fused_path_samples_what_the_transformers_path_samples(
     tiny: torch.nn.Module, tokenizer: Any, params: SamplingParams, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # One length group per prompt, so that grouping, regrouping and compaction all run.
-    monkeypatch.setattr(fused_llama, "GROUP_OVERHEAD_CELLS", 0)
+    monkeypatch.setattr(fused_decoder, "GROUP_OVERHEAD_CELLS", 0)
     fused = HFPolicy(tiny, tokenizer, decode="fused")
     hf = HFPolicy(tiny, tokenizer, decode="hf")
     assert (fused.decode_path(), hf.decode_path()) == ("fused", "hf")

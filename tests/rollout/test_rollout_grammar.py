@@ -10,8 +10,8 @@ import torch
 from tracerl.envs.tools import ARGUMENT_ALTERNATIVES, TOOL_SCHEMAS, parse_tool_call
 from tracerl.models.tiny import render_tool_call
 from tracerl.rollout import HFPolicy, SamplingParams
-from tracerl.rollout.constraints import EditConstraint, VocabularyTexts
-from tracerl.rollout.grammar import AllRules, ToolCallGrammar, tool_specs
+from tracerl.rollout.decoding.constraints import EditConstraint, VocabularyTexts
+from tracerl.rollout.decoding.grammar import AllRules, ToolCallGrammar, tool_specs
 
 FILE = "def limit(x, top):\n    if x > top:\n        return top\n    return x - 1\n"
 CALLS = [
@@ -170,7 +170,7 @@ def test_grammar_needs_an_end_token(policy: HFPolicy) -> None:
 
 
 def test_collector_refuses_the_grammar_for_a_policy_that_cannot_apply_it() -> None:
-    from tracerl.rollout.collector import Collector, CollectorConfig
+    from tracerl.rollout.collect.collector import Collector, CollectorConfig
 
     class _Served:
         policy_version = 0

@@ -17,15 +17,15 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from tracerl.models.tiny import TinyModelConfig, build_tiny_model, train_tokenizer  # noqa: E402
 from tracerl.rollout import HFPolicy, SamplingParams  # noqa: E402
-from tracerl.rollout.policy_openai import (  # noqa: E402
+from tracerl.rollout.policies.openai_api import (  # noqa: E402
     EndpointResponseError,
     EndpointTimeout,
     EndpointUnreachable,
     OpenAIPolicy,
     OpenAIPolicyConfig,
 )
-from tracerl.rollout.serve import TracingServer, create_app  # noqa: E402
-from tracerl.rollout.serve_trace import SessionRecorder  # noqa: E402
+from tracerl.rollout.serve.recorder import SessionRecorder  # noqa: E402
+from tracerl.rollout.serve.server import TracingServer, create_app  # noqa: E402
 
 
 def free_port() -> int:

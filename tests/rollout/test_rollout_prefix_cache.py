@@ -1,4 +1,4 @@
-"""Reusing earlier turns' keys and values (``rollout.prefix_cache``): the same logits and the
+"""Reusing earlier turns' keys and values (``rollout.policies.prefix_cache``): the same logits and the
 same samples as prefilling every prompt whole, never across a weight change."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import torch
 
 from tracerl.models.tiny import render_tool_call
 from tracerl.rollout import HFPolicy, SamplingParams
-from tracerl.rollout.fused_llama import FusedLlamaDecoder, pack_llama
-from tracerl.rollout.prefix_cache import PrefixCache
+from tracerl.rollout.policies.fused_decoder import FusedLlamaDecoder
+from tracerl.rollout.policies.fused_llama import pack_llama
+from tracerl.rollout.policies.prefix_cache import PrefixCache
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -20,11 +20,11 @@ ray = pytest.importorskip("ray")
 
 from tracerl.envs import TOOL_SCHEMAS, CodingEnv, Sandbox  # noqa: E402
 from tracerl.envs.suite import generate_split  # noqa: E402
-from tracerl.rollout.collector import Collector, CollectorConfig  # noqa: E402
-from tracerl.rollout.policy_hf import HFPolicy  # noqa: E402
-from tracerl.rollout.ray_backend import RayEnvPool, init_ray  # noqa: E402
-from tracerl.rollout.sampling import SamplingParams  # noqa: E402
-from tracerl.rollout.toy_agent import toy_tool_policy  # noqa: E402
+from tracerl.rollout.collect.collector import Collector, CollectorConfig  # noqa: E402
+from tracerl.rollout.collect.ray_backend import RayEnvPool, init_ray  # noqa: E402
+from tracerl.rollout.policies.hf import HFPolicy  # noqa: E402
+from tracerl.rollout.policies.sampling import SamplingParams  # noqa: E402
+from tracerl.testing.toy_agent import toy_tool_policy  # noqa: E402
 from tracerl.trace import EndReason, TraceStore, read_attempts  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
@@ -179,7 +179,7 @@ def test_policy_in_an_actor_samples_as_locally(
     ray_session: None, policy: HFPolicy, tmp_path: Path
 ) -> None:
     from tracerl.models.tiny import load_tiny, save_tiny
-    from tracerl.rollout.ray_backend import RayPolicy
+    from tracerl.rollout.collect.ray_backend import RayPolicy
 
     save_tiny(policy.model, policy.tokenizer, tmp_path / "model")
 
@@ -195,7 +195,7 @@ def test_policy_in_an_actor_samples_as_locally(
     want = policy.generate([prompt, prompt], SAMPLING, row_seeds=[1, 2])
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     ray.kill(remote.actor)
-    from tracerl.rollout.ray_backend import PolicyActorDied
+    from tracerl.rollout.collect.ray_backend import PolicyActorDied
 
     with pytest.raises(PolicyActorDied):
         remote.generate([prompt], SAMPLING)

@@ -24,8 +24,8 @@ from tracerl.models.tiny import (  # noqa: E402
     train_tokenizer,
 )
 from tracerl.rollout import HFPolicy, SamplingParams, sequence_logprobs  # noqa: E402
-from tracerl.rollout.serve import TracingServer, create_app  # noqa: E402
-from tracerl.rollout.serve_trace import SessionRecorder, parse_hermes_tool_calls  # noqa: E402
+from tracerl.rollout.serve.recorder import SessionRecorder, parse_hermes_tool_calls  # noqa: E402
+from tracerl.rollout.serve.server import TracingServer, create_app  # noqa: E402
 from tracerl.trace import EndReason, Role, TraceStore, read_attempts  # noqa: E402
 
 TOOL_CALL = render_tool_call("run_tests", {"path": "tests"})
@@ -313,7 +313,7 @@ def test_cli_serves_and_writes_open_sessions_on_sigint(tmp_path: Path) -> None:
 def test_sampled_tokens_stand_for_an_assistant_message_that_renders_differently(
     policy: HFPolicy
 ) -> None:
-    from tracerl.rollout.serve_trace import Sample, normalize_message
+    from tracerl.rollout.serve.recorder import Sample, normalize_message
     from tracerl.trace import SamplingParams as TraceSampling
 
     tokenizer = policy.tokenizer

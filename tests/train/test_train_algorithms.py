@@ -3,12 +3,15 @@ independent, bootstraps from the endings, GiGPO step groups."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import get_args
+
 import pytest
 import torch
 
 from tracerl.trace import Attempt, EndReason, Fragment, Role, SamplingParams, Segment, Turn, pack
 from tracerl.train.algorithms import ESTIMATORS, AdvantageInputs, compute_advantages
-from tracerl.train.config import AlgorithmConfig
+from tracerl.train.config import AlgorithmConfig, Estimator, config_from_dict, validate
 
 SAMPLING = SamplingParams(temperature=1.0)
 
@@ -47,7 +50,32 @@ def batch_of(attempts: list[Attempt], critic: bool = False):  # type: ignore[no-
 
 
 def test_registry_names_match_the_config_literal() -> None:
-    assert set(ESTIMATORS) == {"grpo", "rloo", "gae", "gigpo"}
+    assert set(ESTIMATORS) == {"grpo", "rloo", "gae", "gigpo"} == set(get_args(Estimator))
+
+
+def test_registry_entries_say_what_each_estimator_needs() -> None:
+    needs = {name: (e.needs_critic, e.needs_groups) for name, e in ESTIMATORS.items()}
+    assert needs == {"grpo": (False, True), "rloo": (False, True), "gigpo": (False, True),
+                     "gae": (True, False)}
+
+
+def test_config_checks_read_the_registry_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Declaring an estimator's needs on its entry is all the config checks use: flip what
+    # grpo needs and the same config is judged by the new needs.
+    monkeypatch.setitem(ESTIMATORS, "grpo", dataclasses.replace(
+        ESTIMATORS["grpo"], needs_critic=True, needs_groups=False))
+    with pytest.raises(ValueError, match=r"algorithm.estimator: 'grpo' needs a critic"):
+        config_from_dict({"algorithm": {"estimator": "grpo"}, "rollout": {"group_size": 1}})
+    config_from_dict({"algorithm": {"estimator": "grpo"}, "rollout": {"group_size": 1},
+                      "critic": {"kind": "value_head"}})
+
+
+def test_an_estimator_missing_from_the_registry_is_refused_by_name() -> None:
+    config = config_from_dict({})
+    broken = dataclasses.replace(config, algorithm=dataclasses.replace(
+        config.algorithm, estimator="nope"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"algorithm.estimator: unknown 'nope'"):
+        validate(broken)
 
 
 def test_grpo_gives_every_token_of_an_attempt_its_group_advantage_across_fragments() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from tracerl.rollout.collector import Collector
+from tracerl.rollout.collect.collector import Collector
 from tracerl.train.config import load_config
 from tracerl.train.trainer import Trainer
 

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from tracerl.rollout.policies.hf import HFPolicy
 
 from tracerl.cli import main
 from tracerl.envs.suite import generate_split
 from tracerl.envs.tasks import dump_tasks
 from tracerl.eval.evaluate import load_policy
 from tracerl.models.tiny import TinyModelConfig, build_tiny_model, save_tiny, train_tokenizer
-from tracerl.rollout.policy_hf import HFPolicy
-from tracerl.train.checkpoint import check_finite_weights
+from tracerl.models.weights import check_finite_weights
 
 TENSOR = "model.layers.0.mlp.up_proj.weight"
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tracerl.train.config import CriticConfig, UpdateConfig, config_from_dict, resolve_device
+from tracerl.models.device import resolve_device
+from tracerl.train.config import CriticConfig, UpdateConfig, config_from_dict
 from tracerl.train.update import ActorCritic, RowBatch, freeze_old, ppo_update
 
 sys.path.insert(0, str(Path(__file__).parent))

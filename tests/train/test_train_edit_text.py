@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tracerl.models.tiny import train_tokenizer
-from tracerl.rollout.constraints import VocabularyTexts
+from tracerl.rollout.decoding.constraints import VocabularyTexts
 from tracerl.train.config import CriticConfig, UpdateConfig
 from tracerl.train.edit_text import edit_text_mask, string_value_spans
 from tracerl.train.update import freeze_old, token_loss
@@ -109,7 +109,7 @@ def test_the_trainer_weighs_the_edit_text_of_its_rows(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from tiny_runs import tiny_recipe
 
-    from tracerl.rollout.constraints import VocabularyTexts
+    from tracerl.rollout.decoding.constraints import VocabularyTexts
     from tracerl.train.config import load_config
     from tracerl.train.trainer import Trainer
 

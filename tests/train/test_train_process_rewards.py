@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from tracerl.envs.suite.demonstrator import bug_location, minimal_edit
 from tracerl.envs.tasks import Task
 from tracerl.eval.evaluate import EvalSettings, collect_attempts
-from tracerl.eval.scripted import ScriptedPolicy
 from tracerl.models.tiny import render_tool_call
+from tracerl.testing.scripted import ScriptedPolicy
 from tracerl.train.config import config_from_dict
-from tracerl.train.sft import bug_location, minimal_edit
 from tracerl.train.trainer import Trainer
 
 

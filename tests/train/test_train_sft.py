@@ -13,13 +13,8 @@ import pytest
 
 from tracerl.envs import CodingEnv
 from tracerl.envs.suite import generate_split
-from tracerl.envs.tasks import Task
-from tracerl.envs.tools import parse_tool_call
-from tracerl.models.tiny import build_tiny_model, train_tokenizer
-from tracerl.rollout import HFPolicy
-from tracerl.rollout.chat_tokens import ChatTokens
-from tracerl.train.augment import is_renamed
-from tracerl.train.sft import (
+from tracerl.envs.suite.augment import is_renamed
+from tracerl.envs.suite.demonstrator import (
     DemoKind,
     Demonstration,
     bug_line,
@@ -29,10 +24,14 @@ from tracerl.train.sft import (
     plan_kind,
     play_demonstration,
     search_candidates,
-    supervised_finetune,
-    tokenize_demonstration,
     wrong_fix,
 )
+from tracerl.envs.tasks import Task
+from tracerl.envs.tools import parse_tool_call
+from tracerl.models.tiny import build_tiny_model, train_tokenizer
+from tracerl.rollout import HFPolicy
+from tracerl.rollout.collect.chat_tokens import ChatTokens
+from tracerl.train.sft import supervised_finetune, tokenize_demonstration
 
 
 def test_bug_line_and_wrong_fix() -> None:
@@ -127,7 +126,7 @@ def test_search_candidates_change_what_the_bug_changed() -> None:
 
 def test_renamed_copies_are_valid_tasks_with_fresh_names() -> None:
     from tracerl.envs import Sandbox, validate_task
-    from tracerl.train.augment import module_name, renamed_copies
+    from tracerl.envs.suite.augment import module_name, renamed_copies
 
     originals = generate_split("train", 0, 7)
     copies = renamed_copies(originals, 1, seed=0)[7:]
@@ -141,7 +140,7 @@ def test_renamed_copies_are_valid_tasks_with_fresh_names() -> None:
 
 def test_fresh_locals_rename_only_code_and_keep_tasks_valid() -> None:
     from tracerl.envs import Sandbox, validate_task
-    from tracerl.train.augment import (
+    from tracerl.envs.suite.augment import (
         fresh_local_names,
         local_names,
         module_name,
@@ -175,8 +174,8 @@ def test_fresh_locals_rename_only_code_and_keep_tasks_valid() -> None:
 
 
 def test_a_demonstration_with_renamed_locals_is_answered_as_rewritten() -> None:
-    from tracerl.train.augment import fresh_local_names, rename_task_locals
-    from tracerl.train.sft import locals_rename_is_exact, rename_demonstration_locals
+    from tracerl.envs.suite.augment import fresh_local_names, rename_task_locals
+    from tracerl.envs.suite.demonstrator import locals_rename_is_exact, rename_demonstration_locals
 
     rng = random.Random(5)
     kinds = ("correct", "checked", "wrong", "wrong_checked", "recovery", "retry", "search")
@@ -266,8 +265,8 @@ def test_line_edit_demonstrations_solve_every_family() -> None:
 
 
 def test_renaming_a_demonstration_equals_playing_the_renamed_task() -> None:
-    from tracerl.train.augment import module_name, rename_task
-    from tracerl.train.sft import rename_demonstration
+    from tracerl.envs.suite.augment import module_name, rename_task
+    from tracerl.envs.suite.demonstrator import rename_demonstration
 
     for task in generate_split("train", 0, 7):
         renamed = rename_task(task, "tower_bell", f"{task.id}~rX")
@@ -319,8 +318,8 @@ def test_fresh_names_are_words_that_cannot_clash() -> None:
     import keyword
     import sys
 
+    from tracerl.envs.suite.augment import fresh_name
     from tracerl.models.words import WORDS
-    from tracerl.train.augment import fresh_name
 
     rng = random.Random(0)
     for _ in range(500):

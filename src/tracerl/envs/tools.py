@@ -11,9 +11,7 @@ missing file) come back as an observation starting with ``error:``; those are no
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +19,13 @@ from typing import Any
 
 from tracerl.envs.sandbox import WORKSPACE_MOUNT, SandboxResult
 from tracerl.envs.tasks import check_relative_path
+from tracerl.hermes import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ToolCallError,
+    decode_tool_call,
+    first_tool_call,
+)
 
 TOOL_NAMES = ("list_files", "view_file", "replace", "write_file", "undo", "restart", "run_tests",
               "submit")
@@ -99,9 +104,6 @@ MAX_VIEW_LINES = 200
 MAX_LINE_CHARS = 160
 """Longest line in a test failure excerpt."""
 
-_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-
-
 @dataclass(frozen=True)
 class ToolCall:
     """One parsed tool call."""
@@ -129,23 +131,14 @@ class ParseResult:
 
 def parse_tool_call(text: str) -> ParseResult:
     """Parse the first ``<tool_call>`` of ``text`` and check it against the schemas."""
-    match = _CALL_RE.search(text)
-    if match is None:
-        return ParseResult(None, 'error: no tool call. Write <tool_call>{"name": ..., '
-                                 '"arguments": {...}}</tool_call>')
+    raw = first_tool_call(text)
+    if raw is None:
+        return ParseResult(None, f'error: no tool call. Write {TOOL_CALL_OPEN}{{"name": ..., '
+                                 f'"arguments": {{...}}}}{TOOL_CALL_CLOSE}')
     try:
-        payload = json.loads(match.group(1).strip())
-    except json.JSONDecodeError as error:
-        return ParseResult(None, f"error: tool call is not valid JSON ({error.msg})")
-    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
-        return ParseResult(None, 'error: tool call needs "name" and "arguments"')
-    name = payload["name"]
-    arguments = payload.get("arguments", {})
-    if isinstance(arguments, str):  # some templates encode the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            arguments = None
+        name, arguments = decode_tool_call(raw)
+    except ToolCallError as error:
+        return ParseResult(None, f"error: {error}")
     if not isinstance(arguments, dict):
         return ParseResult(None, 'error: "arguments" must be an object', name, None)
     if name not in _PARAMS:

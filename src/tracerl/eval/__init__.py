@@ -1,6 +1,8 @@
 """Evaluation: fixed-budget success on hidden tests, costs, fault recovery, hack audits, reports.
 
-See ``docs/evaluation.md``.
+``eval`` imports nothing of ``train``: it reads what a run wrote (checkpoints, metrics,
+traces) from disk, and the trainer calls its scoring functions, never the other way. See
+``docs/evaluation.md``.
 """
 
 from __future__ import annotations

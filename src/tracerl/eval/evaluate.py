@@ -28,9 +28,9 @@ from tracerl.envs.tasks import Task
 from tracerl.eval.behaviour import behaviour
 from tracerl.eval.judge import Judge, JudgeConfig, independence_warning
 from tracerl.eval.summary import fault_comparison, summarize
-from tracerl.rollout.chat_tokens import read_conversation
-from tracerl.rollout.collector import Collector, CollectorConfig
-from tracerl.rollout.sampling import SamplingParams
+from tracerl.rollout.collect.chat_tokens import read_conversation
+from tracerl.rollout.collect.collector import Collector, CollectorConfig
+from tracerl.rollout.policies.sampling import SamplingParams
 from tracerl.trace.schema import Attempt, Role
 from tracerl.trace.store import TraceStore
 
@@ -94,9 +94,9 @@ def load_policy(path: str | Path, device: str = "cpu") -> Any:
     ``cuda:N`` or ``auto``); ValueError says why it cannot."""
     import torch
 
-    from tracerl.rollout.policy_hf import HFPolicy
-    from tracerl.train.checkpoint import check_finite_weights
-    from tracerl.train.config import resolve_device
+    from tracerl.models.device import resolve_device
+    from tracerl.models.weights import check_finite_weights
+    from tracerl.rollout.policies.hf import HFPolicy
 
     where = resolve_device(device, field="--device")
 

@@ -22,7 +22,6 @@ Tokenizer design, and why:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -40,6 +39,9 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from tracerl.hermes import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from tracerl.hermes import render_tool_call as render_tool_call
+
 BOS_TOKEN = "<|bos|>"
 """Starts every rendered conversation."""
 EOS_TOKEN = "<|end|>"
@@ -53,10 +55,6 @@ ROLE_TOKENS: dict[str, str] = {
     "tool": "<|tool|>",
 }
 """One special token opens each message, naming its role."""
-TOOL_CALL_OPEN = "<tool_call>"
-"""Opens a Hermes-style tool call; an ordinary (not special) token, so decoded text keeps it."""
-TOOL_CALL_CLOSE = "</tool_call>"
-"""Closes a Hermes-style tool call."""
 
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *ROLE_TOKENS.values())
 
@@ -86,7 +84,7 @@ CHAT_TEMPLATE = (
     "{%- if tool['function'] is defined %}{{ tool['function'] | tojson }}"
     "{%- else %}{{ tool | tojson }}{% endif %}"
     "{%- endfor %}{{ '\\n' }}"
-    'Call a tool as <tool_call>{"name": NAME, "arguments": {...}}</tool_call>'
+    f'Call a tool as {TOOL_CALL_OPEN}{{"name": NAME, "arguments": {{...}}}}{TOOL_CALL_CLOSE}'
     "<|end|>"
     "{%- endif %}"
     "{%- for message in messages %}"
@@ -98,11 +96,11 @@ CHAT_TEMPLATE = (
     "{%- if message['content'] is string %}{{ message['content'] }}{% endif %}"
     "{%- if message['role'] == 'assistant' and message['tool_calls'] %}"
     "{%- for call in message['tool_calls'] %}"
-    "{%- set function = call['function'] if call['function'] is defined else call %}"
-    '<tool_call>{"name": {{ function["name"] | tojson }}, "arguments": '
+    "{%- set function = call['function'] if call['function'] is defined else call %}" +
+    TOOL_CALL_OPEN + '{"name": {{ function["name"] | tojson }}, "arguments": '
     "{% if function['arguments'] is string %}{{ function['arguments'] }}"
     "{%- else %}{{ function['arguments'] | tojson }}{% endif %}"
-    "}</tool_call>"
+    "}" + TOOL_CALL_CLOSE +
     "{%- endfor %}"
     "{%- endif %}"
     "<|end|>"
@@ -288,7 +286,3 @@ def load_tiny(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
     )
     return model, tokenizer
 
-
-def render_tool_call(name: str, arguments: dict[str, object]) -> str:
-    """The text of one Hermes-style tool call, exactly as the chat template renders it."""
-    return f"{TOOL_CALL_OPEN}{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}{TOOL_CALL_CLOSE}"

@@ -3,7 +3,7 @@
 A real model's tokenizer has seen most English words; a tokenizer trained only on a few
 hundred demonstrations has not, and splits every unfamiliar name into letters the model has
 never had to copy. ``train_tokenizer(..., words=WORDS)`` makes each of these a single token,
-and ``train.augment.fresh_name`` draws the fresh names of renamed demonstrations from them,
+and ``envs.suite.augment.fresh_name`` draws the fresh names of renamed demonstrations from them,
 so that the policy learns to copy a name it has just read. The list is generic (it was not
 made from any task); it is sorted and has no duplicates (a test checks).
 """

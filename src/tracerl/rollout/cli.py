@@ -52,11 +52,11 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"serve needs the serve extra ({error.name} is missing): "
                          "pip install 'tracerl[serve]'") from None
     from tracerl.models.tiny import load_tiny
-    from tracerl.rollout.policy_hf import HFPolicy
-    from tracerl.rollout.serve import TracingServer, run_server
-    from tracerl.rollout.serve_trace import SessionRecorder
+    from tracerl.models.weights import check_finite_weights
+    from tracerl.rollout.policies.hf import HFPolicy
+    from tracerl.rollout.serve.recorder import SessionRecorder
+    from tracerl.rollout.serve.server import TracingServer, run_server
     from tracerl.trace.store import TraceStore
-    from tracerl.train.checkpoint import check_finite_weights
 
     model, tokenizer = load_tiny(args.model)
     check_finite_weights(model, args.model)

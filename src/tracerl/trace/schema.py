@@ -149,7 +149,7 @@ class SamplingParams:
     """Sampler seed, when the engine was given one."""
     constraint: str | None = None
     """The decoding rule that masked the distribution (``"edit_old"``: constrained ``replace``
-    ``old``, ``rollout.constraints``), None when there was none. The segment's logprobs are
+    ``old``, ``rollout.decoding.constraints``), None when there was none. The segment's logprobs are
     the masked distribution's."""
 
 

@@ -3,7 +3,9 @@
 Each estimator takes an :class:`AdvantageInputs` (the packed batch, its token rewards and, for
 critic methods, the old values and bootstraps) and the algorithm config, and returns
 ``[B, T]`` advantages that are zero off the action mask, plus returns for a critic and metrics.
-The trainer never special-cases one: it looks the name up in :data:`ESTIMATORS`.
+The trainer never special-cases one: it looks the name up in :data:`ESTIMATORS`, whose entries
+also say what the estimator needs (a critic, groups of attempts); the config's cross-field
+checks read them, so a new estimator is declared in one place.
 
 Group methods compare **whole attempts** at the same task (``attempt_rewards`` grouped by
 ``attempt_group_index``); the attempt's advantage is then written on every action token of
@@ -16,12 +18,15 @@ import hashlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tracerl.core import batch_gae, group_advantages, rloo_advantages, whiten
 from tracerl.trace import PackedBatch, Role
-from tracerl.train.config import AlgorithmConfig
+
+if TYPE_CHECKING:
+    from tracerl.train.config import AlgorithmConfig
 
 
 @dataclass(frozen=True)
@@ -52,19 +57,35 @@ class AdvantageResult:
     """Group statistics and advantage statistics for logging."""
 
 
-EstimatorFn = Callable[[AdvantageInputs, AlgorithmConfig], AdvantageResult]
-ESTIMATORS: dict[str, EstimatorFn] = {}
+EstimatorFn = Callable[[AdvantageInputs, "AlgorithmConfig"], AdvantageResult]
+
+
+@dataclass(frozen=True)
+class EstimatorEntry:
+    """A registered estimator and what a run must provide for it."""
+
+    fn: EstimatorFn
+    """The estimator itself."""
+    needs_critic: bool
+    """It reads the critic's values and bootstraps (``critic.kind`` must not be ``none``, and
+    a critic is refused for every estimator without this)."""
+    needs_groups: bool
+    """It compares whole attempts at the same task (``rollout.group_size`` >= 2)."""
+
+
+ESTIMATORS: dict[str, EstimatorEntry] = {}
 """Registered estimators by name; the config's ``algorithm.estimator`` is checked against the
-same names when it loads."""
+same names, and against what each entry needs, when it loads."""
 
 
-def register(name: str) -> Callable[[EstimatorFn], EstimatorFn]:
-    """Decorator adding an estimator to :data:`ESTIMATORS`."""
+def register(name: str, *, needs_critic: bool = False, needs_groups: bool = False
+             ) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Decorator adding an estimator to :data:`ESTIMATORS`, with what it needs."""
 
     def add(fn: EstimatorFn) -> EstimatorFn:
         if name in ESTIMATORS:
             raise ValueError(f"estimator {name!r} is already registered")
-        ESTIMATORS[name] = fn
+        ESTIMATORS[name] = EstimatorEntry(fn, needs_critic, needs_groups)
         return fn
 
     return add
@@ -75,7 +96,7 @@ def compute_advantages(inputs: AdvantageInputs, config: AlgorithmConfig) -> Adva
     if config.estimator not in ESTIMATORS:
         raise ValueError(f"algorithm.estimator: unknown {config.estimator!r}; "
                          f"registered: {sorted(ESTIMATORS)}")
-    result = ESTIMATORS[config.estimator](inputs, config)
+    result = ESTIMATORS[config.estimator].fn(inputs, config)
     mask = inputs.batch.action_mask
     advantages = result.advantages
     if config.whiten and bool(mask.any()):
@@ -221,7 +242,7 @@ def _outcome_group(inputs: AdvantageInputs, config: AlgorithmConfig,
     return advantages, _group_report_metrics(report)
 
 
-@register("grpo")
+@register("grpo", needs_groups=True)
 def grpo(inputs: AdvantageInputs, config: AlgorithmConfig) -> AdvantageResult:
     """GRPO (Shao et al. 2024): ``(R - mean_g) / (std_g + eps)`` of whole-attempt outcomes,
     the same on every action token of the attempt; ``scale: none`` is Dr. GRPO. Process
@@ -230,7 +251,7 @@ def grpo(inputs: AdvantageInputs, config: AlgorithmConfig) -> AdvantageResult:
     return AdvantageResult(advantages, None, metrics)
 
 
-@register("rloo")
+@register("rloo", needs_groups=True)
 def rloo(inputs: AdvantageInputs, config: AlgorithmConfig) -> AdvantageResult:
     """REINFORCE leave-one-out (Ahmadian et al. 2024): ``R_i`` minus the mean of the other
     attempts of its group; unbiased, never divided by a std."""
@@ -238,7 +259,7 @@ def rloo(inputs: AdvantageInputs, config: AlgorithmConfig) -> AdvantageResult:
     return AdvantageResult(advantages, None, metrics)
 
 
-@register("gae")
+@register("gae", needs_critic=True)
 def gae_estimator(inputs: AdvantageInputs, config: AlgorithmConfig) -> AdvantageResult:
     """GAE (Schulman et al. 2016) over action tokens with a learned critic.
 
@@ -278,7 +299,7 @@ def group_outcome_metrics(rewards: torch.Tensor, group_index: torch.Tensor) -> d
     }
 
 
-@register("gigpo")
+@register("gigpo", needs_groups=True)
 def gigpo(inputs: AdvantageInputs, config: AlgorithmConfig) -> AdvantageResult:
     """GiGPO-style two-level groups (Feng et al. 2025): the episode-level GRPO advantage plus
     ``step_weight`` times a step-level one.

@@ -22,15 +22,14 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-import torch
 import yaml
 
+from tracerl.models.device import resolve_device
+from tracerl.train.algorithms import ESTIMATORS
+
 Estimator = Literal["grpo", "rloo", "gae", "gigpo"]
-"""Advantage estimators of :mod:`tracerl.train.algorithms` (the registry's names)."""
-GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "gigpo")
-"""Estimators that compare whole attempts at the same task and need groups of >= 2."""
-CRITIC_ESTIMATORS: tuple[str, ...] = ("gae",)
-"""Estimators that need a learned critic."""
+"""Advantage estimators of :mod:`tracerl.train.algorithms` (the registry's names; what each
+needs, a critic or groups, is on its registry entry)."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ class TasksConfig:
     policy learns to copy names from what it reads instead of memorising the suite's."""
     fresh_locals: bool = False
     """Renamed copies also give the module's local variables fresh names
-    (``train.augment.fresh_local_names``): a local the fix must return is then read, not
+    (``envs.suite.augment.fresh_local_names``): a local the fix must return is then read, not
     recalled."""
     rl_count: int = 0
     """Built-in train tasks made for RL only (with their renamed copies), after the
@@ -145,11 +144,11 @@ class SFTConfig:
     names from what it reads much sooner when it also learns to predict what it reads."""
     fresh_names: float = 0.0
     """Probability that a demonstration, each time it is drawn for a batch, is renamed with a
-    freshly drawn function/module name (see ``train.augment``): the policy must then copy the
+    freshly drawn function/module name (see ``envs.suite.augment``): the policy must then copy the
     name it reads, as it will have to on held-out tasks, instead of recalling it."""
     fresh_locals: float = 0.0
     """Probability that a demonstration, each time it is drawn, also has its task's local
-    variables renamed with freshly drawn names (``train.augment.fresh_local_names``): the
+    variables renamed with freshly drawn names (``envs.suite.augment.fresh_local_names``): the
     composed templates fix one set of locals per body, which a small policy otherwise
     recalls instead of copying."""
     implicit_path: bool = False
@@ -224,7 +223,7 @@ class RolloutConfig:
     system_prompt: str | None = None
     """System message before the first observation."""
     constrain_edits: bool = False
-    """Constrained decoding of ``replace``'s ``old`` (``rollout.constraints``): inside that
+    """Constrained decoding of ``replace``'s ``old`` (``rollout.decoding.constraints``): inside that
     string the sampler may only write a piece of the named line of the open file, closed
     where it occurs once, as grammar-constrained decoding keeps tool calls well-formed. The
     policy still chooses the tool, the line, the piece and the ``new`` text. Applies to
@@ -232,13 +231,13 @@ class RolloutConfig:
     policies, so ``tracerl eval`` decodes them the same way); the behavior logprob is the
     masked distribution's, the PPO ratio's old policy the unmasked one (``mismatch.*``)."""
     constrain_new: bool = False
-    """Constrained decoding of ``replace``'s ``new`` (``rollout.constraints``): every name it
+    """Constrained decoding of ``replace``'s ``new`` (``rollout.decoding.constraints``): every name it
     completes is one the open file holds or a Python keyword (monitor-guided decoding's names
     in scope; a builtin the file does not use cannot be written), and it is never closed
     equal to the call's ``old``; numbers, operators and spacing stay free. Applies to training rollouts and every evaluation, and
     is recorded beside saved policies like ``constrain_edits``, with the same accounting."""
     constrain_calls: bool = False
-    """Grammar-constrained tool calls (``rollout.grammar``): the sampler only draws tokens
+    """Grammar-constrained tool calls (``rollout.decoding.grammar``): the sampler only draws tokens
     that keep an action one well-formed call of one of the environment's tools, as serving
     stacks' structured output for function calling does; what the call says stays the
     policy's. Recorded beside saved policies like ``constrain_edits``, with the same
@@ -636,29 +635,6 @@ def dump_config(config: TrainConfig) -> str:
 # -- validation -------------------------------------------------------------------------------
 
 
-def resolve_device(name: str, field: str = "model.device") -> torch.device:
-    """``name`` (cpu, cuda, cuda:N or auto) as a torch device; ValueError, naming ``field``,
-    if it is not one this machine has."""
-    text = name.strip().lower()
-    if text == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        device = torch.device("meta")  # not a device name at all: refused below
-    if device.type == "cpu":
-        return device
-    if device.type != "cuda":
-        raise ValueError(f"{field}: expected cpu, cuda, cuda:N or auto, got {name!r}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"{field}: {name!r} asked for, but this torch sees no CUDA device "
-                         "(use cpu, or auto to take a GPU only where there is one)")
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"{field}: {name!r} asked for, but torch sees "
-                         f"{torch.cuda.device_count()} CUDA device(s)")
-    return device
-
-
 def validate(config: TrainConfig) -> None:
     """Cross-field rules, checked once before any compute; ValueError names the fields."""
     r, a, c, u = config.rollout, config.algorithm, config.critic, config.update
@@ -756,16 +732,20 @@ def validate(config: TrainConfig) -> None:
     for name, rate in {"update.lr": u.lr, "sft.lr": config.sft.lr, "critic.lr": c.lr}.items():
         if not rate > 0:
             raise ValueError(f"{name}: must be > 0, got {rate}")
-    if a.estimator in CRITIC_ESTIMATORS and c.kind == "none":
+    if a.estimator not in ESTIMATORS:
+        raise ValueError(f"algorithm.estimator: unknown {a.estimator!r}; "
+                         f"registered: {sorted(ESTIMATORS)}")
+    needs = ESTIMATORS[a.estimator]
+    if needs.needs_critic and c.kind == "none":
         raise ValueError(f"algorithm.estimator: {a.estimator!r} needs a critic; set "
                          "critic.kind to 'value_head' or 'separate'")
-    if a.estimator in GROUP_ESTIMATORS and r.group_size < 2:
+    if needs.needs_groups and r.group_size < 2:
         raise ValueError(f"rollout.group_size: {a.estimator!r} compares attempts at the same "
                          f"task and needs groups of at least 2, got {r.group_size}")
-    if c.kind != "none" and a.estimator not in CRITIC_ESTIMATORS:
+    if c.kind != "none" and not needs.needs_critic:
         raise ValueError(f"critic.kind: {c.kind!r} is set but algorithm.estimator "
                          f"{a.estimator!r} does not use a critic; set critic.kind: none")
-    if u.kl_in == "reward" and u.kl_coef > 0 and a.estimator not in CRITIC_ESTIMATORS:
+    if u.kl_in == "reward" and u.kl_coef > 0 and not needs.needs_critic:
         raise ValueError("update.kl_in: a per-token KL reward needs a token-level estimator "
                          "(gae); use kl_in: loss with group methods")
     if u.loss_mode == "constant" and (u.loss_constant is None or u.loss_constant <= 0):

@@ -1,8 +1,8 @@
 """The demonstrations a run learns from: made once, tokenized once, drawn per batch.
 
 A run with ``sft.enabled`` plays scripted, imperfect demonstrations of its train split
-(:func:`tracerl.train.sft.make_demonstrations`) and uses them three times: their texts train
-the tiny model's tokenizer, the warm start fine-tunes on them, and ``update.sft_coef`` mixes a
+(:func:`tracerl.envs.suite.demonstrator.make_demonstrations`) and uses them three times: their
+texts train the tiny model's tokenizer, the warm start fine-tunes on them, and ``update.sft_coef`` mixes a
 fresh batch of them into every RL optimizer step. :class:`DemonstrationSet` holds them for the
 trainer so that all three see the same demonstrations and the same renaming per draw
 (``sft.fresh_names``, ``sft.fresh_locals``), and so that a resumed run draws what it drew.
@@ -16,19 +16,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tracerl.envs import CodingEnv, Sandbox, Task
-from tracerl.rollout.chat_tokens import ChatTokens
-from tracerl.train.augment import fresh_local_names, fresh_name, is_renamed, module_name
-from tracerl.train.config import TrainConfig
-from tracerl.train.sft import (
+from tracerl.envs.suite.augment import fresh_local_names, fresh_name, is_renamed, module_name
+from tracerl.envs.suite.demonstrator import (
     Demonstration,
     demonstration_texts,
     locals_rename_is_exact,
     make_demonstrations,
-    pad_sequences,
     rename_demonstration,
     rename_demonstration_locals,
-    tokenize_demonstration,
 )
+from tracerl.rollout.collect.chat_tokens import ChatTokens
+from tracerl.train.config import TrainConfig
+from tracerl.train.sft import pad_sequences, tokenize_demonstration
 from tracerl.train.update import DemonstrationBatch
 
 SCRIPT_TURNS = 32

@@ -23,7 +23,7 @@ import re
 
 import torch
 
-from tracerl.rollout.constraints import VocabularyTexts
+from tracerl.rollout.decoding.constraints import VocabularyTexts
 
 EDIT_KEYS = ("old", "new", "content")
 """The string arguments that are an edit's text: ``replace``'s ``old`` and ``new``,

@@ -34,17 +34,21 @@ import yaml
 from tracerl.core import kl_reward_penalty, loss_weights, mismatch_metrics
 from tracerl.envs import CodingEnv, Sandbox, Task, load_tasks
 from tracerl.envs.suite import generate_split
+from tracerl.envs.suite.augment import renamed_copies
+from tracerl.envs.suite.demonstrator import Demonstration
 from tracerl.envs.tools import parse_tool_call
+from tracerl.models.device import resolve_device
+from tracerl.models.weights import check_finite_weights
 from tracerl.rollout import HFPolicy, SamplingParams
-from tracerl.rollout.chat_tokens import (
+from tracerl.rollout.collect.chat_tokens import (
     CONVERSATION_FILE,
     ChatTokens,
     conversation_json,
     write_conversation,
 )
-from tracerl.rollout.collector import Collector, CollectorConfig
-from tracerl.rollout.compaction import CompactionConfig
-from tracerl.rollout.constraints import VocabularyTexts
+from tracerl.rollout.collect.collector import Collector, CollectorConfig
+from tracerl.rollout.collect.compaction import CompactionConfig
+from tracerl.rollout.decoding.constraints import VocabularyTexts
 from tracerl.trace import Attempt, PackedBatch, Role, TraceStore, Turn, pack, read_attempts
 from tracerl.trace.schema import EndReason, Treatment, default_treatments
 from tracerl.train import checkpoint as ckpt
@@ -54,12 +58,11 @@ from tracerl.train.algorithms import (
     compute_advantages,
     group_outcome_metrics,
 )
-from tracerl.train.augment import renamed_copies
-from tracerl.train.config import TrainConfig, config_changes, dump_config, resolve_device
+from tracerl.train.config import TrainConfig, config_changes, dump_config
 from tracerl.train.demos import DemonstrationSet, Redraw, TokenizedDemo
 from tracerl.train.edit_text import edit_text_mask
 from tracerl.train.metrics import MetricsWriter, StepProgress
-from tracerl.train.sft import Demonstration, supervised_finetune
+from tracerl.train.sft import supervised_finetune
 from tracerl.train.update import (
     ActorCritic,
     DemonstrationBatch,
@@ -287,7 +290,7 @@ class Trainer:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True,
                                                      dtype=torch.float32)
-        ckpt.check_finite_weights(model, directory)
+        check_finite_weights(model, directory)
         return model, tokenizer
 
     def _build_model(self) -> tuple[Any, Any]:

@@ -38,8 +38,12 @@ from tracerl.core import (
     truncated_importance_weights,
     value_loss,
 )
-from tracerl.rollout.fused_llama import fused_head, fused_sequence_forward, unsupported_reason
-from tracerl.rollout.sampling import logprobs_from_logits
+from tracerl.rollout.policies.fused_llama import (
+    fused_head,
+    fused_sequence_forward,
+    unsupported_reason,
+)
+from tracerl.rollout.policies.sampling import logprobs_from_logits
 from tracerl.train.config import CriticConfig, UpdateConfig
 from tracerl.train.sft import demonstration_loss
 
@@ -129,7 +133,7 @@ class ActorCritic(torch.nn.Module):
 
     def _use_fused(self) -> bool:
         """Whether the policy's forward can take the fused Llama path (same mathematics,
-        a fraction of the operations; ``rollout.fused_llama.fused_sequence_forward``)."""
+        a fraction of the operations; ``rollout.policies.fused_llama.fused_sequence_forward``)."""
         if not self.fused:
             return False
         config = getattr(self.policy, "config", None)

@@ -37,8 +37,8 @@ from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
-from tracerl.rollout.sampling import SamplingParams
-from tracerl.rollout.serve_trace import (
+from tracerl.rollout.policies.sampling import SamplingParams
+from tracerl.rollout.serve.recorder import (
     Sample,
     SessionRecorder,
     normalize_message,
@@ -210,7 +210,7 @@ class TracingServer:
         """Top-``k`` (token, logprob) per generated position, under the sampling processing."""
         import torch
 
-        from tracerl.rollout.sampling import processed_logprobs
+        from tracerl.rollout.policies.sampling import processed_logprobs
 
         model = getattr(self.policy, "model", None)
         if model is None:

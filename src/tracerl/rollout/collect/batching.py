@@ -22,9 +22,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tracerl.rollout.constraints import TokenConstraint
-from tracerl.rollout.policy_hf import Completion
-from tracerl.rollout.sampling import SamplingParams
+from tracerl.rollout.decoding.constraints import TokenConstraint
+from tracerl.rollout.policies.sampling import Completion, SamplingParams
 
 
 class SamplingPolicy(Protocol):

@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tracerl.envs.tasks import Task
-from tracerl.models.tiny import render_tool_call
-from tracerl.rollout.policy_hf import Completion, HFPolicy
-from tracerl.rollout.sampling import SamplingParams
+from tracerl.hermes import render_tool_call
+from tracerl.rollout.policies.hf import HFPolicy
+from tracerl.rollout.policies.sampling import Completion, SamplingParams
 
 Script = Callable[[Task], list[str]]
 """Builds the texts of a task's actions, in order."""

@@ -1,19 +1,19 @@
 """A local policy over any transformers causal LM: batched sampling with true behavior logprobs.
 
 ``HFPolicy.generate`` runs one lean decoding loop per batch: a single forward per step with a
-KV cache, sampling in a handful of tensor ops (``rollout.sampling.processed_logprobs`` and an
+KV cache, sampling in a handful of tensor ops (``rollout.policies.sampling.processed_logprobs`` and an
 exponential race), and no logits-processor objects. That loop, not the model, is most of the
 cost of ``model.generate`` for small models, which is why this exists (see ``bench/sampling.py``).
 For Llama-architecture models (Llama, Qwen2, Mistral without sliding window) the forward itself
-is replaced by ``rollout.fused_llama``: packed projections, a preallocated cache and
+is replaced by ``rollout.policies.fused_llama``: packed projections, a preallocated cache and
 ``scaled_dot_product_attention``, the same logits to float rounding; other models, or
 ``decode="hf"``, use the transformers forward. On the fused path a prompt that extends an
 earlier call's row (a conversation's next turn) is prefilled from that row's kept keys and
-values (``rollout.prefix_cache``), emptied whenever the weights change.
+values (``rollout.policies.prefix_cache``), emptied whenever the weights change.
 
 Accounting: each sampled token's logprob is recorded under the distribution it was drawn from
 (temperature, top-k, top-p, renormalised), and every completion carries the ``policy_version``
-that sampled it. ``rollout.sampling.sequence_logprobs`` with the same params reproduces those
+that sampled it. ``rollout.policies.sampling.sequence_logprobs`` with the same params reproduces those
 numbers from a single forward pass over prompt + completion.
 """
 
@@ -21,24 +21,24 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from tracerl.rollout.constraints import TokenConstraint, apply_constraints
-from tracerl.rollout.fused_llama import (
-    FusedLlamaDecoder,
+from tracerl.rollout.decoding.constraints import TokenConstraint, apply_constraints
+from tracerl.rollout.policies.fused_decoder import FusedLlamaDecoder
+from tracerl.rollout.policies.fused_llama import (
     PackedLlama,
     pack_llama,
     unsupported_reason,
 )
-from tracerl.rollout.prefix_cache import PrefixCache
-from tracerl.rollout.sampling import SamplingParams, processed_logprobs
-
-FinishReason = Literal["stop", "length"]
-"""Why a completion ended: ``"stop"`` at a stop token or string; ``"length"`` at the token limit
-(``max_new_tokens`` or the model's context)."""
+from tracerl.rollout.policies.prefix_cache import PrefixCache
+from tracerl.rollout.policies.sampling import (
+    Completion,
+    FinishReason,
+    SamplingParams,
+    processed_logprobs,
+)
 
 CacheKind = Literal["auto", "static", "dynamic"]
 """KV cache: ``"static"`` preallocates prompt + new tokens once (no per-step copies);
@@ -46,28 +46,9 @@ CacheKind = Literal["auto", "static", "dynamic"]
 the model declares support for it. Used by the transformers decode path only."""
 
 DecodeKind = Literal["auto", "fused", "hf"]
-"""Which forward decodes: ``"fused"`` is ``rollout.fused_llama`` (Llama-architecture models
+"""Which forward decodes: ``"fused"`` is ``rollout.policies.fused_llama`` (Llama-architecture models
 only; ValueError otherwise); ``"hf"`` is the model's own forward with a transformers cache;
 ``"auto"`` is fused when the model qualifies and no cache kind was named explicitly."""
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One sampled continuation of one prompt."""
-
-    token_ids: tuple[int, ...]
-    """Sampled tokens, in order; a stop token, when one ended the completion, is the last."""
-    logprobs: tuple[float, ...]
-    """Behavior logprob of each sampled token under the processed distribution it was drawn
-    from; 0.0 for every token of a greedy completion (a point mass)."""
-    finish_reason: FinishReason
-    """``"stop"`` (stop token or stop string) or ``"length"`` (token limit or context full)."""
-    text: str
-    """``tokenizer.decode(token_ids, skip_special_tokens=True)``; nothing is cut at a stop string."""
-    stop_reason: int | str | None
-    """The stop token id or stop string that ended the completion; None for ``"length"``."""
-    policy_version: int
-    """``HFPolicy.policy_version`` when these tokens were sampled."""
 
 
 def _model_context_length(model: torch.nn.Module) -> int | None:
@@ -133,7 +114,7 @@ class HFPolicy:
         self._pad_id = self._first_id(getattr(tokenizer, "pad_token_id", None), default=0)
         self._eos_ids = self._eos_token_ids()
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
-        """Keys and values of earlier calls' rows (fused path; ``rollout.prefix_cache``): a
+        """Keys and values of earlier calls' rows (fused path; ``rollout.policies.prefix_cache``): a
         prompt that extends one (a conversation's next turn) computes only its new tokens.
         ``prefix_cache_bytes=0`` turns it off."""
 
@@ -148,7 +129,7 @@ class HFPolicy:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path)
-        from tracerl.train.checkpoint import check_finite_weights
+        from tracerl.models.weights import check_finite_weights
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         check_finite_weights(model, path)
@@ -216,7 +197,7 @@ class HFPolicy:
                 generator, so a prompt's completion does not depend on which other prompts share
                 its batch (up to float rounding of batched matrix products). Without it, one
                 generator seeded by ``params.seed`` serves the whole call.
-            constraints: optional rule per prompt (``rollout.constraints``; None for none):
+            constraints: optional rule per prompt (``rollout.decoding.constraints``; None for none):
                 before each token the row's completion so far is decoded and the rule's mask
                 applied, and the recorded logprob is the masked distribution's (greedy rows
                 take the masked arg-max).

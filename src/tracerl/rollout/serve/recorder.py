@@ -18,7 +18,6 @@ half-recorded attempt is never written as if it were complete.
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 import uuid
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from tracerl.hermes import ToolCallError, decode_tool_call, tool_call_blocks
 from tracerl.trace.schema import (
     Attempt,
     Costs,
@@ -41,8 +41,6 @@ from tracerl.trace.schema import (
 )
 from tracerl.trace.schema import SamplingParams as TraceSamplingParams
 from tracerl.trace.store import TraceStore
-
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -76,26 +74,18 @@ def parse_hermes_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]
     """
     calls: list[ParsedToolCall] = []
     first_start: int | None = None
-    for match in _TOOL_CALL.finditer(text):
+    for start, raw in tool_call_blocks(text):
         try:
-            payload = json.loads(match.group(1).strip())
-        except json.JSONDecodeError:
+            name, arguments = decode_tool_call(raw)
+        except ToolCallError:
             return text, []
-        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
-            return text, []
-        arguments = payload.get("arguments", {})
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError:
-                return text, []
         if not isinstance(arguments, dict):
             return text, []
         if first_start is None:
-            first_start = match.start()
+            first_start = start
         calls.append(
             ParsedToolCall(
-                payload["name"],
+                name,
                 json.dumps(arguments, ensure_ascii=False),
                 f"call_{uuid.uuid4().hex[:24]}",
             )

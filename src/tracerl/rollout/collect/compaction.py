@@ -17,16 +17,14 @@ instruction and latest test output verbatim around it.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tracerl.hermes import ToolCallError, decode_tool_call, first_tool_call
+
 TextGenerator = Callable[[str], Awaitable[str]]
 """Sends one user message to the policy (fresh conversation) and returns its reply text."""
-
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-
 
 @dataclass(frozen=True)
 class HistoryTurn:
@@ -68,21 +66,15 @@ class Summarizer(Protocol):
 
 def describe_action(action_text: str, limit: int = 120) -> str:
     """A one-line description of an action: its tool call as compact JSON, else its first line."""
-    match = _TOOL_CALL.search(action_text)
-    if match is not None:
-        raw = match.group(1).strip()
+    raw = first_tool_call(action_text)
+    if raw is not None:
         try:
-            payload = json.loads(raw)
-        except json.JSONDecodeError:
-            text = f"unparseable tool call {raw!r}"
+            name, arguments = decode_tool_call(raw)
+        except ToolCallError as error:
+            which = "unparseable" if error.reason == "json" else "malformed"
+            text = f"{which} tool call {raw!r}"
         else:
-            if isinstance(payload, dict) and isinstance(payload.get("name"), str):
-                arguments = payload.get("arguments", {})
-                text = payload["name"] + (
-                    f" {json.dumps(arguments, sort_keys=True)}" if arguments else ""
-                )
-            else:
-                text = f"malformed tool call {raw!r}"
+            text = name + (f" {json.dumps(arguments, sort_keys=True)}" if arguments else "")
     else:
         first = action_text.strip().splitlines()[0] if action_text.strip() else ""
         text = f"no tool call: {first!r}"

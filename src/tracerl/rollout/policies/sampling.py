@@ -237,3 +237,27 @@ def sequence_logprobs(
     valid = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
     token_logprobs = token_logprobs.masked_fill(~valid, 0.0)
     return torch.cat([token_logprobs.new_zeros(token_logprobs.shape[0], 1), token_logprobs], dim=1)
+
+
+FinishReason = Literal["stop", "length"]
+"""Why a completion ended: ``"stop"`` at a stop token or string; ``"length"`` at the token limit
+(``max_new_tokens`` or the model's context)."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled continuation of one prompt."""
+
+    token_ids: tuple[int, ...]
+    """Sampled tokens, in order; a stop token, when one ended the completion, is the last."""
+    logprobs: tuple[float, ...]
+    """Behavior logprob of each sampled token under the processed distribution it was drawn
+    from; 0.0 for every token of a greedy completion (a point mass)."""
+    finish_reason: FinishReason
+    """``"stop"`` (stop token or stop string) or ``"length"`` (token limit or context full)."""
+    text: str
+    """``tokenizer.decode(token_ids, skip_special_tokens=True)``; nothing is cut at a stop string."""
+    stop_reason: int | str | None
+    """The stop token id or stop string that ended the completion; None for ``"length"``."""
+    policy_version: int
+    """The policy version that sampled these tokens (``HFPolicy.policy_version``)."""

@@ -8,7 +8,7 @@ from types import TracebackType
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tracerl.rollout.batching import BatcherStats
+from tracerl.rollout.collect.batching import BatcherStats
 from tracerl.trace.schema import EndReason
 
 

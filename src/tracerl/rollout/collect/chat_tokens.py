@@ -32,9 +32,9 @@ def conversation_json(*, tool_schemas_in_prompt: bool, system_prompt: str | None
                       constrain_edits: bool = False, constrain_calls: bool = False,
                       constrain_new: bool = False) -> str:
     """The content of ``CONVERSATION_FILE`` for a policy trained with this format
-    (``constrain_edits``: its edits were decoded under ``rollout.constraints.EditConstraint``;
-    ``constrain_calls``: its actions under ``rollout.grammar.ToolCallGrammar``;
-    ``constrain_new``: its ``new`` texts under ``rollout.constraints.NewTextConstraint``)."""
+    (``constrain_edits``: its edits were decoded under ``rollout.decoding.constraints.EditConstraint``;
+    ``constrain_calls``: its actions under ``rollout.decoding.grammar.ToolCallGrammar``;
+    ``constrain_new``: its ``new`` texts under ``rollout.decoding.constraints.NewTextConstraint``)."""
     return json.dumps({"tool_schemas_in_prompt": tool_schemas_in_prompt,
                        "system_prompt": system_prompt, "constrain_edits": constrain_edits,
                        "constrain_calls": constrain_calls, "constrain_new": constrain_new})

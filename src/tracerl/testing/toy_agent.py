@@ -14,14 +14,10 @@ from typing import Any
 
 import torch
 
-from tracerl.models.tiny import (
-    TinyModelConfig,
-    build_tiny_model,
-    render_tool_call,
-    train_tokenizer,
-)
-from tracerl.rollout.chat_tokens import ChatTokens
-from tracerl.rollout.policy_hf import HFPolicy
+from tracerl.hermes import render_tool_call
+from tracerl.models.tiny import TinyModelConfig, build_tiny_model, train_tokenizer
+from tracerl.rollout.collect.chat_tokens import ChatTokens
+from tracerl.rollout.policies.hf import HFPolicy
 
 TOY_MODEL = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
                             max_positions=1024)

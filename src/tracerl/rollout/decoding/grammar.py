@@ -24,7 +24,7 @@ the 3,230 actions of a demo-sized run's evaluations passed through 150 distinct 
 token boundaries. Each row's rule (``ToolCallRule``) keeps its machine
 state and advances it over the characters the row added since the last token.
 
-Accounting is as for ``rollout.constraints``: the mask is part of the sampled distribution,
+Accounting is as for ``rollout.decoding.constraints``: the mask is part of the sampled distribution,
 so the behavior logprob is the masked one; the trainer's old/new logprobs are the unmasked
 policy's, and the gap is in ``mismatch.*``.
 """
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from tracerl.models.tiny import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from tracerl.hermes import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 State = tuple[Any, ...]
 """A machine state: ``("lit", rest, then)`` (the literal ``rest`` must come, then state

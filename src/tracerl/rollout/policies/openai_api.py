@@ -28,8 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tracerl.rollout.policy_hf import Completion
-from tracerl.rollout.sampling import SamplingParams
+from tracerl.rollout.policies.sampling import Completion, SamplingParams
 
 TokenIdsMode = Literal["tokens", "field"]
 """How the server returns sampled token ids: ``"tokens"`` = vLLM's

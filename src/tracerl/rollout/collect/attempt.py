@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tracerl.rollout.batching import GenerationBatcher
-from tracerl.rollout.chat_tokens import ChatTokens
-from tracerl.rollout.compaction import History, HistoryTurn
-from tracerl.rollout.progress import CollectorProgress
+from tracerl.rollout.collect.batching import GenerationBatcher
+from tracerl.rollout.collect.chat_tokens import ChatTokens
+from tracerl.rollout.collect.compaction import History, HistoryTurn
+from tracerl.rollout.collect.progress import CollectorProgress
 from tracerl.trace.schema import (
     Attempt,
     AuditRecord,
@@ -37,7 +37,7 @@ from tracerl.trace.schema import (
 )
 
 if TYPE_CHECKING:
-    from tracerl.rollout.collector import Collector
+    from tracerl.rollout.collect.collector import Collector
 
 T = TypeVar("T")
 

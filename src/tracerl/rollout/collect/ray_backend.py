@@ -29,8 +29,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tracerl.rollout.policy_hf import Completion
-from tracerl.rollout.sampling import SamplingParams
+from tracerl.rollout.policies.sampling import Completion, SamplingParams
 
 
 class EnvActorDied(RuntimeError):

@@ -39,20 +39,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tracerl.envs.tools import ARGUMENT_ALTERNATIVES, TOOL_SCHEMAS
-from tracerl.rollout.attempt import AttemptRunner, AttemptSpec
-from tracerl.rollout.batching import GenerationBatcher, SamplingPolicy
-from tracerl.rollout.chat_tokens import ChatTokens, ObservationRole
-from tracerl.rollout.compaction import CompactionConfig
-from tracerl.rollout.constraints import (
+from tracerl.rollout.collect.attempt import AttemptRunner, AttemptSpec
+from tracerl.rollout.collect.batching import GenerationBatcher, SamplingPolicy
+from tracerl.rollout.collect.chat_tokens import ChatTokens, ObservationRole
+from tracerl.rollout.collect.compaction import CompactionConfig
+from tracerl.rollout.collect.progress import CollectorProgress
+from tracerl.rollout.decoding.constraints import (
     EditConstraint,
     NameScope,
     NewTextConstraint,
     TokenConstraint,
     VocabularyTexts,
 )
-from tracerl.rollout.grammar import AllRules, ToolCallGrammar, tool_specs
-from tracerl.rollout.progress import CollectorProgress
-from tracerl.rollout.sampling import SamplingParams
+from tracerl.rollout.decoding.grammar import AllRules, ToolCallGrammar, tool_specs
+from tracerl.rollout.policies.sampling import SamplingParams
 from tracerl.trace.schema import ATTEMPT_ENDINGS, Attempt, EndReason
 from tracerl.trace.store import TraceStore
 
@@ -99,17 +99,17 @@ class CollectorConfig:
     compaction: CompactionConfig | None = None
     """Replace long histories with a summary (None: never)."""
     constrain_edits: bool = False
-    """Constrained decoding of ``replace``'s ``old`` (``rollout.constraints.EditConstraint``):
+    """Constrained decoding of ``replace``'s ``old`` (``rollout.decoding.constraints.EditConstraint``):
     inside that string the sampler may only write a piece of the line the call names (of the
     environment's open file), closed where it occurs once. Needs a policy that applies
     decoding rules (``HFPolicy``) and an environment with ``open_file_text()``."""
     constrain_new: bool = False
-    """Constrained decoding of ``replace``'s ``new`` (``rollout.constraints.NewTextConstraint``):
+    """Constrained decoding of ``replace``'s ``new`` (``rollout.decoding.constraints.NewTextConstraint``):
     every name it completes is one the environment's open file holds, or a Python keyword,
     and it is never closed equal to the call's ``old``. Needs a policy that applies decoding
     rules (``HFPolicy``) and an environment with ``open_file_text()``."""
     constrain_calls: bool = False
-    """Grammar-constrained tool calls (``rollout.grammar.ToolCallGrammar``): every action is
+    """Grammar-constrained tool calls (``rollout.decoding.grammar.ToolCallGrammar``): every action is
     one well-formed call of one of the environment's tools (its ``tool_schemas``, else
     tracerl's coding tools), then the end of the turn. Needs a policy that applies decoding
     rules (``HFPolicy``)."""

@@ -1,0 +1,4 @@
+"""Serving: a local policy behind an OpenAI-compatible endpoint that records what it serves.
+
+``server`` (the HTTP endpoint) and ``recorder`` (per-session traces written to a store).
+"""
