@@ -40,9 +40,13 @@ HAND_WRITTEN = [
                            "    if x < hi:\n        return hi\n    return x\n",
                "test_clamp.py": "from clamp import clamp\nassert clamp(5, 0, 3) == 3\n"},
      "protected": ["test_*.py"], "test_command": "python test_clamp.py",
-     "hidden_files": {"hidden_check.py": "from clamp import clamp\nassert clamp(2, 0, 3) == 2\n"
-                                         "assert clamp(-1, 0, 3) == 0\nassert clamp(9, 0, 3) == 3\n"},
+     "hidden_files": {"hidden_check.py": "from tracerl_report import end, value\n"
+                                         "from clamp import clamp\n"
+                                         "value('inside', lambda: clamp(2, 0, 3))\n"
+                                         "value('below', lambda: clamp(-1, 0, 3))\n"
+                                         "value('above', lambda: clamp(9, 0, 3))\nend()\n"},
      "hidden_test_command": "python hidden_check.py",
+     "hidden_values": {"inside": "2", "below": "0", "above": "3"},
      "solution": {"clamp.py": "def clamp(x, lo, hi):\n    if x < lo:\n        return lo\n"
                               "    if x > hi:\n        return hi\n    return x\n"}},
     {"id": "area-constant", "family": "wrong_constant",
@@ -50,9 +54,11 @@ HAND_WRITTEN = [
      "files": {"area.py": "def square_area(side):\n    return side * side * 2\n",
                "test_area.py": "from area import square_area\nassert square_area(3) == 9\n"},
      "protected": ["test_area.py"], "test_command": "python test_area.py",
-     "hidden_files": {"hidden_area.py": "from area import square_area\n"
-                                        "assert square_area(4) == 16\n"},
+     "hidden_files": {"hidden_area.py": "from tracerl_report import check, end\n"
+                                        "from area import square_area\n"
+                                        "check('four', lambda: square_area(4) == 16)\nend()\n"},
      "hidden_test_command": "python hidden_area.py",
+     "hidden_checks": ["four"],
      "solution": {"area.py": "def square_area(side):\n    return side * side\n"},
      "budget": {"max_turns": 4}},
 ]
