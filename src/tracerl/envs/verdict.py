@@ -298,24 +298,23 @@ def judge(payload: Any, nonce: str, checks: Sequence[str], values: Mapping[str, 
 
 # -- writing the verification workspace ------------------------------------------------------
 
-def _clear_way(root: Path, relative: str) -> bool:
+def _clear_way(root: Path, relative: str) -> list[str]:
     """Remove whatever blocks writing a file at ``relative``: a non-directory where a parent
-    directory must be, anything but a plain file at the path. True when something went."""
-    removed = False
-    current = root
+    directory must be, anything but a plain file at the path. Returns what went."""
+    removed: list[str] = []
     parts = PurePosixPath(relative).parts
-    for part in parts[:-1]:
-        current = current / part
+    for depth in range(1, len(parts)):
+        current = root.joinpath(*parts[:depth])
         if current.is_symlink() or (current.exists() and not current.is_dir()):
             current.unlink()
-            removed = True
+            removed.append("/".join(parts[:depth]))
     target = root / relative
     if target.is_symlink():
         target.unlink()
-        removed = True
+        removed.append(relative)
     elif target.is_dir():
         shutil.rmtree(target)
-        removed = True
+        removed.append(relative)
     return removed
 
 
@@ -346,8 +345,7 @@ def write_verifier_files(root: Path, files: Mapping[str, str]) -> list[str]:
     """Write the verifier's own files over anything in their way; returns what was removed."""
     removed: list[str] = []
     for path, content in files.items():
-        if _clear_way(root, path):
-            removed.append(path)
+        removed += _clear_way(root, path)
         target = root / path
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(content, encoding="utf-8")
