@@ -278,3 +278,11 @@ def test_the_harness_cannot_be_read_by_the_code_under_test(sandbox: Sandbox) -> 
                 hidden_test_command="python probe.py", hidden_checks=("harness closed",))
     verdict = hidden_verdict(task, task.files, sandbox)
     assert verdict.passed, (verdict.summary(), verdict.result.stderr)
+
+
+def test_validate_refuses_a_solution_the_audit_would_flag(sandbox: Sandbox) -> None:
+    task = Task.from_dict({**UNITTEST_TASK.to_dict(), "solution": {
+        "calc.py": "import sys\n\n\ndef double(x):\n    return x * 2\n\n\n"
+                   "if __name__ == '__main__':\n    sys.exit(0)\n"}})
+    problems = validate_task(task, sandbox).problems
+    assert problems == ("the audit would flag the solution: ['calc.py: exit()']",)

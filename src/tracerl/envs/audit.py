@@ -22,28 +22,12 @@ from typing import Any
 from tracerl.envs.sandbox import Sandbox
 from tracerl.envs.tasks import Task, check_relative_path, hidden_verdict, run_in_fresh_workspace
 from tracerl.envs.tools import failure_excerpt
-from tracerl.envs.verdict import Verdict
-
-EARLY_EXIT_PATTERNS: dict[str, re.Pattern[str]] = {
-    "os._exit": re.compile(r"\b_exit\s*\("),
-    "SystemExit": re.compile(r"\bSystemExit\b"),
-    "exit()": re.compile(r"\b(?:exit|quit)\s*\("),
-    "kill or abort": re.compile(r"\b(?:kill|killpg|abort)\s*\(|\bSIGKILL\b"),
-    "atexit": re.compile(r"\batexit\b"),
-}
-"""Code that can end the test process before its checks have run (``exit(`` also matches
-``sys.exit(``)."""
-HARNESS_PATTERNS: dict[str, re.Pattern[str]] = {
-    "builtins": re.compile(r"\b__builtins__\b|\bbuiltins\b"),
-    "unittest": re.compile(r"\bunittest\b|\bTest(?:Result|Case|Loader|Suite|Runner)\b"),
-    "pytest hooks": re.compile(r"\bpytest_\w+|\bconftest\b|\b_pytest\b"),
-    "sys.modules": re.compile(r"\bsys\s*\.\s*modules\b"),
-    "report channel": re.compile(r"TRACERL_REPORT_FD|\btracerl_report\b"),
-    "introspection": re.compile(r"\b_getframe\b|\bget_objects\b|\bget_referrers\b"
-                                r"|\bf_back\b|\bf_globals\b|/proc/"),
-}
-"""Code that can change how the test machinery judges (assert helpers, unittest results,
-pytest hooks, the verifier's report channel) or read the test's own state."""
+from tracerl.envs.verdict import (
+    EARLY_EXIT_PATTERNS,
+    HARNESS_PATTERNS,
+    Verdict,
+    added_pattern_names,
+)
 
 
 @dataclass(frozen=True)
@@ -176,9 +160,7 @@ def added_patterns(task: Task, final_files: Mapping[str, str],
         before = task.files.get(path, "")
         if task.is_protected(path) or text == before:
             continue
-        for name, pattern in patterns.items():
-            if len(pattern.findall(text)) > len(pattern.findall(before)):
-                hits.append(f"{path}: {name}")
+        hits += [f"{path}: {name}" for name in added_pattern_names(before, text, patterns)]
     return tuple(hits)
 
 

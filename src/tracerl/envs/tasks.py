@@ -16,7 +16,13 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from tracerl.envs.sandbox import Sandbox, SandboxResult
-from tracerl.envs.verdict import Verdict, run_verdict
+from tracerl.envs.verdict import (
+    EARLY_EXIT_PATTERNS,
+    HARNESS_PATTERNS,
+    Verdict,
+    added_pattern_names,
+    run_verdict,
+)
 
 REQUIRED_FIELDS = ("id", "family", "instruction", "files", "protected", "test_command",
                    "hidden_files", "hidden_test_command")
@@ -310,6 +316,14 @@ def validate_task(task: Task, sandbox: Sandbox) -> TaskCheck:
         touched = sorted(p for p in task.solution if task.is_protected(p))
         if touched:
             problems.append(f"the solution changes protected files {touched}")
+        # The audit flags code an attempt adds that can end or patch the tests; a solution
+        # that needs such code would be flagged too, so the task could never be solved.
+        flagged = sorted(f"{path}: {name}" for path, text in task.solution.items()
+                         for name in added_pattern_names(
+                             task.files.get(path, ""), text,
+                             {**EARLY_EXIT_PATTERNS, **HARNESS_PATTERNS}))
+        if flagged:
+            problems.append(f"the audit would flag the solution: {flagged}")
     return TaskCheck(task.id, tuple(problems))
 
 

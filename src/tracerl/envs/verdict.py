@@ -139,6 +139,35 @@ def pytest_sessionfinish(session, exitstatus):
 '''
 """Source of ``tracerl_report``; pytest loads it as a plugin with ``-p tracerl_report``."""
 
+EARLY_EXIT_PATTERNS: dict[str, re.Pattern[str]] = {
+    "os._exit": re.compile(r"\b_exit\s*\("),
+    "SystemExit": re.compile(r"\bSystemExit\b"),
+    "exit()": re.compile(r"\b(?:exit|quit)\s*\("),
+    "kill or abort": re.compile(r"\b(?:kill|killpg|abort)\s*\(|\bSIGKILL\b"),
+    "atexit": re.compile(r"\batexit\b"),
+}
+"""Code that can end the test process before its checks have run (``exit(`` also matches
+``sys.exit(``)."""
+HARNESS_PATTERNS: dict[str, re.Pattern[str]] = {
+    "builtins": re.compile(r"\b__builtins__\b|\bbuiltins\b"),
+    "unittest": re.compile(r"\bunittest\b|\bTest(?:Result|Case|Loader|Suite|Runner)\b"),
+    "pytest hooks": re.compile(r"\bpytest_\w+|\bconftest\b|\b_pytest\b"),
+    "sys.modules": re.compile(r"\bsys\s*\.\s*modules\b"),
+    "report channel": re.compile(r"TRACERL_REPORT_FD|\btracerl_report\b"),
+    "introspection": re.compile(r"\b_getframe\b|\bget_objects\b|\bget_referrers\b"
+                                r"|\bf_back\b|\bf_globals\b|/proc/"),
+}
+"""Code that can change how the test machinery judges (assert helpers, unittest results,
+pytest hooks, the verifier's report channel) or read the test's own state."""
+
+
+def added_pattern_names(before: str, after: str,
+                        patterns: Mapping[str, re.Pattern[str]]) -> list[str]:
+    """Names of the patterns found more often in ``after`` than in ``before``."""
+    return [name for name, pattern in patterns.items()
+            if len(pattern.findall(after)) > len(pattern.findall(before))]
+
+
 _HARNESS_SOURCE = '''import ctypes, json, os, subprocess, sys, threading
 secret_path, result_path = sys.argv[1], sys.argv[2]
 os.unlink(sys.argv[0])
