@@ -286,3 +286,12 @@ def test_validate_refuses_a_solution_the_audit_would_flag(sandbox: Sandbox) -> N
                    "if __name__ == '__main__':\n    sys.exit(0)\n"}})
     problems = validate_task(task, sandbox).problems
     assert problems == ("the audit would flag the solution: ['calc.py: exit()']",)
+
+
+def test_audit_after_verify_knows_of_the_early_exit(sandbox: Sandbox) -> None:
+    # A collector scoring a truncated attempt calls verify() and then audit() on its own.
+    env = CodingEnv([SUITE_TASK], sandbox=sandbox)
+    env.reset(seed=0)
+    env.step(_call("write_file", path=MODULE, content="raise SystemExit(0)\n"))
+    assert env.verify().early_exit and env.audit().exited_early
+    env.close()

@@ -97,6 +97,7 @@ class CodingEnv(gym.Env[str, str]):
         self._turn = 0
         self._started = 0.0
         self._done = True
+        self._last_verify: VerifyResult | None = None
 
     # -- episode --------------------------------------------------------------------------
 
@@ -125,6 +126,7 @@ class CodingEnv(gym.Env[str, str]):
         self.task, self.workspace = task, Workspace(root)
         self.open_file = self._first_editable()
         self.tool_calls = []
+        self._last_verify = None
         self._edits: list[tuple[str, str | None, int | None]] = []
         """Undo history: (path, its text before the edit or None if the edit created it, the
         line a line-scoped replace named)."""
@@ -296,16 +298,18 @@ class CodingEnv(gym.Env[str, str]):
         """Score the current files with the hidden tests (protected files restored)."""
         if self.task is None or self.workspace is None:
             raise RuntimeError("verify() needs an attempt; call reset() first")
-        return verify_files(self.task, self._final_files(), self.sandbox)
+        self._last_verify = verify_files(self.task, self._final_files(), self.sandbox)
+        return self._last_verify
 
     def audit(self, verify: VerifyResult | None = None) -> AuditResult:
         """Audit the current files and the tool calls made so far; ``verify`` (this attempt's
-        score) adds whether its hidden tests exited 0 without evidence."""
+        score, by default the last ``verify()`` of this attempt) adds whether its hidden tests
+        exited 0 without evidence."""
         if self.task is None or self.workspace is None:
             raise RuntimeError("audit() needs an attempt; call reset() first")
         return audit_attempt(self.task, self._final_files(), self.tool_calls,
                              workspace_paths=workspace_paths(self.workspace.root),
-                             verify=verify)
+                             verify=verify if verify is not None else self._last_verify)
 
     def _final_files(self) -> dict[str, str]:
         """The workspace's regular files; one that cannot be read (the attempt's code made it
