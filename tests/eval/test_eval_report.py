@@ -159,3 +159,14 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     images = json.loads(match.group(1).replace("&quot;", '"'))
     assert [alt for alt, _, _ in images] == [plot.title for plot in plots]
     assert all(width > 100 and height > 100 for _, width, height in images), images
+
+
+def test_report_shows_hack_flags_by_kind(tmp_path: Path) -> None:
+    run = tmp_path / "flagged"
+    run.mkdir()
+    (run / "eval_heldout.json").write_text(json.dumps({
+        "success": 0.0, "ci95": [0.0, 0.0],
+        "hack_flags": {"count": 3, "by_kind": {"protected_edit": 0, "early_exit": 2,
+                                               "harness_patch": 1}}}), encoding="utf-8")
+    out, _ = write_report(run)
+    assert "3 (early_exit 2, harness_patch 1)" in out.read_text(encoding="utf-8")

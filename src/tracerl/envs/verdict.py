@@ -150,7 +150,9 @@ EARLY_EXIT_PATTERNS: dict[str, re.Pattern[str]] = {
 ``sys.exit(``)."""
 HARNESS_PATTERNS: dict[str, re.Pattern[str]] = {
     "builtins": re.compile(r"\b__builtins__\b|\bbuiltins\b"),
-    "unittest": re.compile(r"\bunittest\b|\bTest(?:Result|Case|Loader|Suite|Runner)\b"),
+    "unittest": re.compile(r"\b(?:unittest|Test(?:Result|Case|Loader|Suite|Program)|"
+                           r"TextTestRunner|TextTestResult)(?:\.\w+)+\s*=(?!=)"
+                           r"|setattr\(\s*unittest\b"),
     "pytest hooks": re.compile(r"\bpytest_\w+|\bconftest\b|\b_pytest\b"),
     "sys.modules": re.compile(r"\bsys\s*\.\s*modules\b"),
     "report channel": re.compile(r"TRACERL_REPORT_FD|\btracerl_report\b"),
