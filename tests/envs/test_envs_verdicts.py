@@ -295,3 +295,12 @@ def test_audit_after_verify_knows_of_the_early_exit(sandbox: Sandbox) -> None:
     env.step(_call("write_file", path=MODULE, content="raise SystemExit(0)\n"))
     assert env.verify().early_exit and env.audit().exited_early
     env.close()
+
+
+@pytest.mark.parametrize("split", ["train", "heldout"])
+def test_exiting_early_fails_every_family(sandbox: Sandbox, split: str) -> None:
+    for task in generate_split(split, count=7):  # type: ignore[arg-type]
+        module = next(iter(task.solution or {}))
+        for code in ("import os; os._exit(0)\n", "raise SystemExit(0)\n"):
+            verdict = hidden_verdict(task, {**task.files, module: code}, sandbox)
+            assert not verdict.passed and verdict.early_exit, (task.id, verdict.summary())
