@@ -43,6 +43,29 @@ def _passes(files: dict[str, str], test_path: str) -> bool:
     return True
 
 
+def _hidden_passes(files: dict[str, str], hidden_path: str, values: dict[str, str]) -> bool:
+    """Run a generated hidden test in-process, with a stand-in for the verifier's report
+    module, and judge its value checks as the verifier does (every one reported, all equal)."""
+    reported: dict[str, str] = {}
+    ended: list[bool] = []
+    report = types.ModuleType("tracerl_report")
+
+    def value(name: str, fn: object) -> None:
+        try:
+            reported[name] = repr(fn())  # type: ignore[operator]
+        except Exception as error:
+            reported[name] = "raised " + type(error).__name__
+
+    report.value = value  # type: ignore[attr-defined]
+    report.end = lambda: ended.append(True)  # type: ignore[attr-defined]
+    sys.modules["tracerl_report"] = report
+    try:
+        _passes(files, hidden_path)
+    finally:
+        del sys.modules["tracerl_report"]
+    return ended == [True] and reported == values
+
+
 def test_deterministic_and_extends() -> None:
     first = generate_split("train", seed=3, count=20)
     assert first == generate_split("train", seed=3, count=20)
@@ -92,9 +115,10 @@ def test_every_task_fails_at_start_and_passes_with_its_solution(split: str) -> N
         start = {**task.files, **task.hidden_files}
         fixed = {**start, **task.solution}
         assert not _passes(start, test_path), task.id
-        assert not _passes(start, hidden_path), task.id
+        assert not _hidden_passes(start, hidden_path, dict(task.hidden_values)), task.id
         assert _passes(fixed, test_path), task.id
-        assert _passes(fixed, hidden_path), task.id
+        assert _hidden_passes(fixed, hidden_path, dict(task.hidden_values)), task.id
+        assert "want" not in task.hidden_files[hidden_path]  # expected values stay outside
         module = next(iter(task.solution))
         assert 5 <= len(task.files[module].splitlines()) <= 15
 
@@ -103,10 +127,12 @@ def test_hidden_values_differ_from_visible() -> None:
     for task in generate_split("heldout", count=30):
         (test_path,) = task.protected
         (hidden_path,) = task.hidden_files
-        visible = {ln for ln in task.files[test_path].splitlines() if ln.startswith("bad +=")}
-        hidden = {ln for ln in task.hidden_files[hidden_path].splitlines()
-                  if ln.startswith("bad +=")}
-        assert len(hidden - visible) >= 3
+        visible = {ln.split("lambda: ")[1].rsplit(", ", 1)[0]
+                   for ln in task.files[test_path].splitlines() if ln.startswith("bad +=")}
+        hidden = {ln.split("lambda: ")[1][:-1]
+                  for ln in task.hidden_files[hidden_path].splitlines()
+                  if ln.startswith("value(")}
+        assert len(hidden) == 5 and len(hidden - visible) >= 3
 
 
 def test_sample_validates_in_the_sandbox(sandbox: Sandbox) -> None:
@@ -152,8 +178,10 @@ def test_composed_templates_are_valid_varied_and_not_heldout() -> None:
         (hidden_path,) = task.hidden_files
         start = {**task.files, **task.hidden_files}
         fixed = {**start, **(task.solution or {})}
-        assert not _passes(start, test_path) and not _passes(start, hidden_path), template
-        assert _passes(fixed, test_path) and _passes(fixed, hidden_path), template
+        values = dict(task.hidden_values)
+        assert not _passes(start, test_path), template
+        assert not _hidden_passes(start, hidden_path, values), template
+        assert _passes(fixed, test_path) and _hidden_passes(fixed, hidden_path, values), template
 
 
 def test_no_train_template_is_a_heldout_one_in_other_names() -> None:

@@ -24,10 +24,14 @@ HAND_WRITTEN = {
     },
     "protected": ["tests/*"],
     "test_command": "python tests/test_temp.py",
-    "hidden_files": {"hidden_check.py": "from temp import to_fahrenheit\n"
-                                        "assert to_fahrenheit(0) == 32\n"
-                                        "assert to_fahrenheit(-40) == -40\n"},
+    "hidden_files": {"hidden_check.py": "from tracerl_report import check, end, value\n"
+                                        "from temp import to_fahrenheit\n"
+                                        "value('freezing', lambda: to_fahrenheit(0))\n"
+                                        "check('minus forty', lambda: to_fahrenheit(-40) == -40)\n"
+                                        "end()\n"},
     "hidden_test_command": "python hidden_check.py",
+    "hidden_checks": ["minus forty"],
+    "hidden_values": {"freezing": "32.0"},
     "solution": {"temp.py": "def to_fahrenheit(c):\n    return c * 9 / 5 + 32\n"},
     "budget": {"max_turns": 6, "max_seconds": 60},
     "source": "kept as an extra field",

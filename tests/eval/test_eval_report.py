@@ -175,3 +175,14 @@ def test_report_lists_success_with_and_without_faults_and_recovery(tmp_path: Pat
     text = write_report(run)[0].read_text(encoding="utf-8")
     assert "success without / with faults (infrastructure excluded)" in text
     assert "0.500 / 0.375" in text and "0 / 2" in text and "3 of 6 (0.500)" in text
+
+
+def test_report_shows_hack_flags_by_kind(tmp_path: Path) -> None:
+    run = tmp_path / "flagged"
+    run.mkdir()
+    (run / "eval_heldout.json").write_text(json.dumps({
+        "success": 0.0, "ci95": [0.0, 0.0],
+        "hack_flags": {"count": 3, "by_kind": {"protected_edit": 0, "early_exit": 2,
+                                               "harness_patch": 1}}}), encoding="utf-8")
+    out, _ = write_report(run)
+    assert "3 (early_exit 2, harness_patch 1)" in out.read_text(encoding="utf-8")

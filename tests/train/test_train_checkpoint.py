@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tracerl.rollout.policies.hf import HFPolicy
 
 from tracerl.cli import main
 from tracerl.envs.suite import generate_split
@@ -15,6 +14,7 @@ from tracerl.envs.tasks import dump_tasks
 from tracerl.eval.evaluate import load_policy
 from tracerl.models.tiny import TinyModelConfig, build_tiny_model, save_tiny, train_tokenizer
 from tracerl.models.weights import check_finite_weights
+from tracerl.rollout.policies.hf import HFPolicy
 
 TENSOR = "model.layers.0.mlp.up_proj.weight"
 

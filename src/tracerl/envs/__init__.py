@@ -18,11 +18,12 @@ from tracerl.envs.sandbox import (
 )
 from tracerl.envs.tasks import Budget, Task, TaskCheck, dump_tasks, load_tasks, validate_task
 from tracerl.envs.tools import TOOL_NAMES, TOOL_SCHEMAS, ToolCall, parse_tool_call
+from tracerl.envs.verdict import REPORT_SOURCE, Verdict, run_verdict
 
 __all__ = [
-    "TOOL_NAMES", "TOOL_SCHEMAS", "AuditResult", "Budget", "CodingEnv", "FaultConfig",
-    "FaultInjector", "Sandbox", "SandboxLimits", "SandboxResult", "SandboxStartError",
-    "SandboxUnavailableError", "Task", "TaskCheck", "ToolCall", "VerifyResult",
-    "audit_attempt", "dump_tasks", "load_tasks", "parse_tool_call", "validate_task",
-    "verify_files",
+    "REPORT_SOURCE", "TOOL_NAMES", "TOOL_SCHEMAS", "AuditResult", "Budget", "CodingEnv",
+    "FaultConfig", "FaultInjector", "Sandbox", "SandboxLimits", "SandboxResult", "SandboxStartError",
+    "SandboxUnavailableError", "Task", "TaskCheck", "ToolCall", "Verdict", "VerifyResult",
+    "audit_attempt", "dump_tasks", "load_tasks", "parse_tool_call", "run_verdict",
+    "validate_task", "verify_files",
 ]

@@ -56,6 +56,7 @@ from tracerl.envs.tools import (
     view_file_tool,
     write_file_tool,
 )
+from tracerl.envs.verdict import workspace_paths
 
 CHARSET = "".join(chr(c) for c in range(32, 127)) + "\n\t"
 """Characters of observations and actions: printable ASCII, newline and tab."""
@@ -106,6 +107,7 @@ class CodingEnv(gym.Env[str, str]):
         self._turn = 0
         self._started = 0.0
         self._done = True
+        self._last_verify: VerifyResult | None = None
 
     # -- episode --------------------------------------------------------------------------
 
@@ -136,6 +138,7 @@ class CodingEnv(gym.Env[str, str]):
         self.tool_calls = []
         if self.faults is not None:
             self.faults.new_attempt()
+        self._last_verify = None
         self._edits: list[tuple[str, str | None, int | None]] = []
         """Undo history: (path, its text before the edit or None if the edit created it, the
         line a line-scoped replace named)."""
@@ -200,7 +203,8 @@ class CodingEnv(gym.Env[str, str]):
         if terminated:
             self._done = True
             try:
-                verdict, audit = self.verify(), self.audit()
+                verdict = self.verify()
+                audit = self.audit(verdict)
             except Exception as error:  # the verifier's sandbox failed: not the agent's doing
                 info["tool_error"], info["verify_error"] = True, f"{type(error).__name__}: {error}"
             else:
@@ -311,13 +315,31 @@ class CodingEnv(gym.Env[str, str]):
         """Score the current files with the hidden tests (protected files restored)."""
         if self.task is None or self.workspace is None:
             raise RuntimeError("verify() needs an attempt; call reset() first")
-        return verify_files(self.task, self.workspace.snapshot(), self.sandbox)
+        self._last_verify = verify_files(self.task, self._final_files(), self.sandbox)
+        return self._last_verify
 
-    def audit(self) -> AuditResult:
-        """Audit the current files and the tool calls made so far."""
+    def audit(self, verify: VerifyResult | None = None) -> AuditResult:
+        """Audit the current files and the tool calls made so far; ``verify`` (this attempt's
+        score, by default the last ``verify()`` of this attempt) adds whether its hidden tests
+        exited 0 without evidence."""
         if self.task is None or self.workspace is None:
             raise RuntimeError("audit() needs an attempt; call reset() first")
-        return audit_attempt(self.task, self.workspace.snapshot(), self.tool_calls)
+        return audit_attempt(self.task, self._final_files(), self.tool_calls,
+                             workspace_paths=workspace_paths(self.workspace.root),
+                             verify=verify if verify is not None else self._last_verify)
+
+    def _final_files(self) -> dict[str, str]:
+        """The workspace's regular files; one that cannot be read (the attempt's code made it
+        unreadable) is left out: what the attempt did to its files is its own failure."""
+        assert self.workspace is not None
+        files: dict[str, str] = {}
+        for path in self.workspace.list_files():
+            try:
+                with open(self.workspace.root / path, "rb") as handle:
+                    files[path] = handle.read(1 << 20).decode("utf-8", errors="replace")
+            except OSError:
+                continue
+        return files
 
     def _max_turns(self) -> int:
         budget = self.task.budget if self.task is not None else None

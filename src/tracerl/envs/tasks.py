@@ -16,10 +16,17 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from tracerl.envs.sandbox import Sandbox, SandboxResult
+from tracerl.envs.verdict import (
+    EARLY_EXIT_PATTERNS,
+    HARNESS_PATTERNS,
+    Verdict,
+    added_pattern_names,
+    run_verdict,
+)
 
 REQUIRED_FIELDS = ("id", "family", "instruction", "files", "protected", "test_command",
                    "hidden_files", "hidden_test_command")
-OPTIONAL_FIELDS = ("solution", "budget")
+OPTIONAL_FIELDS = ("solution", "budget", "hidden_checks", "hidden_values")
 
 
 @dataclass(frozen=True)
@@ -64,11 +71,18 @@ class Task:
     hidden_files: Mapping[str, str]
     """Files added only for verification, never present while the agent works."""
     hidden_test_command: str
-    """Shell command the verifier runs with ``hidden_files`` added; exit 0 = solved."""
+    """Shell command the verifier runs with ``hidden_files`` added. Solved only when it exits
+    0 and reports every check passed (``tracerl.envs.verdict``; see ``docs/envs.md``)."""
     solution: Mapping[str, str] | None = None
     """Fixed versions of (some of) ``files``, used by ``validate`` to prove the task solvable."""
     budget: Budget | None = None
     """Limits this task asks for (turns, tokens, seconds)."""
+    hidden_checks: tuple[str, ...] = ()
+    """Names of the pass/fail checks the hidden tests must report, each exactly once."""
+    hidden_values: Mapping[str, str] = field(default_factory=dict)
+    """Value checks: name to the expected reported value (``repr`` of the result), compared
+    by the verifier outside the sandbox. With neither field, any non-empty set of checks that
+    all pass is accepted."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Unknown fields kept as they were, so a round trip loses nothing."""
 
@@ -88,6 +102,20 @@ class Task:
         if (not isinstance(self.protected, tuple)
                 or not all(isinstance(p, str) and p for p in self.protected)):
             raise ValueError(f"task {self.id}: protected must be a list of glob strings")
+        if (not isinstance(self.hidden_checks, tuple)
+                or not all(isinstance(c, str) and c for c in self.hidden_checks)
+                or len(set(self.hidden_checks)) != len(self.hidden_checks)):
+            raise ValueError(f"task {self.id}: hidden_checks must be a list of distinct "
+                             "non-empty names")
+        if not isinstance(self.hidden_values, Mapping) or not all(
+                isinstance(k, str) and k and isinstance(v, str)
+                for k, v in self.hidden_values.items()):
+            raise ValueError(f"task {self.id}: hidden_values must be an object of "
+                             "check name: expected value (a string)")
+        both = sorted(set(self.hidden_checks) & set(self.hidden_values))
+        if both:
+            raise ValueError(f"task {self.id}: checks {both} are in both hidden_checks and "
+                             "hidden_values")
         if self.solution is not None:
             _check_files(self.id, "solution", self.solution)
             hidden = sorted(set(self.solution) & set(self.hidden_files))
@@ -113,6 +141,10 @@ class Task:
             out["solution"] = dict(self.solution)
         if self.budget is not None:
             out["budget"] = self.budget.to_dict()
+        if self.hidden_checks:
+            out["hidden_checks"] = list(self.hidden_checks)
+        if self.hidden_values:
+            out["hidden_values"] = dict(self.hidden_values)
         out.update(self.extra)
         return out
 
@@ -138,6 +170,10 @@ class Task:
         protected = row["protected"]
         if not isinstance(protected, list | tuple):
             raise ValueError(f"task {row['id']}: protected must be a list of glob strings")
+        checks = row.get("hidden_checks")
+        if checks is not None and not isinstance(checks, list | tuple):
+            raise ValueError(f"task {row['id']}: hidden_checks must be a list of names")
+        values = row.get("hidden_values")
         known = set(REQUIRED_FIELDS) | set(OPTIONAL_FIELDS)
         return cls(
             id=row["id"], family=row["family"], instruction=row["instruction"],
@@ -149,6 +185,9 @@ class Task:
                       else _drop_none(row["id"], "solution", row["solution"])),
             budget=None if budget is None else Budget(**{k: v for k, v in budget.items()
                                                          if v is not None}),
+            hidden_checks=tuple(checks or ()),
+            hidden_values=({} if values is None
+                           else _drop_none(row["id"], "hidden_values", values)),
             extra={k: v for k, v in row.items() if k not in known},
         )
 
@@ -251,12 +290,18 @@ def run_in_fresh_workspace(sandbox: Sandbox, files: Mapping[str, str],
         return sandbox.run(root, command)
 
 
+def hidden_verdict(task: Task, files: Mapping[str, str], sandbox: Sandbox) -> Verdict:
+    """The hidden tests' verdict on ``files`` (with the task's hidden files added)."""
+    return run_verdict(sandbox, files, task.hidden_files, task.hidden_test_command,
+                       checks=task.hidden_checks, values=task.hidden_values)
+
+
 def validate_task(task: Task, sandbox: Sandbox) -> TaskCheck:
-    """Check that the start fails the hidden tests and that the solution passes both."""
+    """Check that the start fails the hidden tests and that the solution passes both (the
+    hidden tests by the verifier's verdict: every check reported and passed)."""
     problems: list[str] = []
-    start = run_in_fresh_workspace(sandbox, {**task.files, **task.hidden_files},
-                                   task.hidden_test_command)
-    if start.exit_code == 0:
+    start = hidden_verdict(task, task.files, sandbox)
+    if start.passed:
         problems.append("the starting files already pass the hidden tests")
     if task.solution is not None:
         fixed = {**task.files, **task.solution}
@@ -264,13 +309,21 @@ def validate_task(task: Task, sandbox: Sandbox) -> TaskCheck:
         if visible.exit_code != 0:
             problems.append("the solution fails the visible tests: "
                             + _last_line(visible))
-        hidden = run_in_fresh_workspace(sandbox, {**fixed, **task.hidden_files},
-                                        task.hidden_test_command)
-        if hidden.exit_code != 0:
-            problems.append("the solution fails the hidden tests: " + _last_line(hidden))
+        hidden = hidden_verdict(task, fixed, sandbox)
+        if not hidden.passed:
+            problems.append("the solution fails the hidden tests: "
+                            + hidden.reason + "; " + _last_line(hidden.result))
         touched = sorted(p for p in task.solution if task.is_protected(p))
         if touched:
             problems.append(f"the solution changes protected files {touched}")
+        # The audit flags code an attempt adds that can end or patch the tests; a solution
+        # that needs such code would be flagged too, so the task could never be solved.
+        flagged = sorted(f"{path}: {name}" for path, text in task.solution.items()
+                         for name in added_pattern_names(
+                             task.files.get(path, ""), text,
+                             {**EARLY_EXIT_PATTERNS, **HARNESS_PATTERNS}))
+        if flagged:
+            problems.append(f"the audit would flag the solution: {flagged}")
     return TaskCheck(task.id, tuple(problems))
 
 

@@ -325,7 +325,7 @@ def _summary_rows(run: RunFiles) -> list[tuple[str, str]]:
                          f"{_fmt(result.get('hidden_success'))}"))
         flags = result.get("hack_flags", {})
         if isinstance(flags, Mapping):
-            rows.append((f"{name}: hack flags", _fmt(flags.get("count"))))
+            rows.append((f"{name}: hack flags", _hack_flags(flags)))
         rows.extend(_fault_rows(name, result.get("fault_injection")))
     return rows
 
@@ -346,6 +346,14 @@ def _fault_rows(name: str, faults: Any) -> list[tuple[str, str]]:
          f"{_fmt(faults.get('recovered_attempts'))} of {_fmt(faults.get('faulted_attempts'))}"
          f" ({_fmt(faults.get('recovery_rate'))})"),
     ]
+
+
+def _hack_flags(flags: Mapping[str, Any]) -> str:
+    """The flag count and, when any, its kinds (``3 (early_exit 2, harness_patch 1)``)."""
+    by_kind = flags.get("by_kind")
+    kinds = ([f"{kind} {count}" for kind, count in by_kind.items() if count]
+             if isinstance(by_kind, Mapping) else [])
+    return _fmt(flags.get("count")) + (f" ({', '.join(kinds)})" if kinds else "")
 
 
 def _fmt(value: Any) -> str:

@@ -93,6 +93,25 @@ def _outcome(function: Callable[..., Any], args: tuple[Any, ...]) -> tuple[bool,
         return False, type(error).__name__
 
 
+def _case_name(index: int) -> str:
+    return f"case-{index + 1}"
+
+
+def _render_hidden_tests(name: str, cases: list[tuple[tuple[Any, ...], Any]]) -> str:
+    """The hidden test: each case's result reported as a value check (``envs.verdict``);
+    the expected values are not in the file, the verifier compares them outside the sandbox."""
+    lines = ["from tracerl_report import end, value\n", f"from {name} import {name}\n\n"]
+    for index, (args, _) in enumerate(cases):
+        call = f"{name}({', '.join(repr(a) for a in args)})"
+        lines.append(f"value({_case_name(index)!r}, lambda: {call})\n")
+    lines.append("end()\n")
+    return "".join(lines)
+
+
+def _expected_values(cases: list[tuple[tuple[Any, ...], Any]]) -> dict[str, str]:
+    return {_case_name(index): repr(want) for index, (_, want) in enumerate(cases)}
+
+
 def _render_tests(name: str, cases: list[tuple[tuple[Any, ...], Any]]) -> str:
     lines = [f"from {name} import {name}\n", _CHECK]
     for args, want in cases:
@@ -148,8 +167,9 @@ def make_task(template: Template, rng: random.Random, task_id: str, max_turns: i
         files={module: bad_src, test: _render_tests(name, visible)},
         protected=(test,),
         test_command=f"python {test}",
-        hidden_files={hidden_test: _render_tests(name, hidden)},
+        hidden_files={hidden_test: _render_hidden_tests(name, hidden)},
         hidden_test_command=f"python {hidden_test}",
+        hidden_values=_expected_values(hidden),
         solution={module: good_src},
         budget=Budget(max_turns=max_turns),
     )

@@ -394,6 +394,9 @@ class AttemptRunner:
                 reward_if_unaudited=reward if flagged else None)
             if flagged and reward is not None:
                 reward = 0.0  # a flagged attempt never counts as solving
+            findings = getattr(a, "findings", None)
+            if callable(findings) and findings():
+                metadata["audit"] = findings()  # what the trace's record has no field for
         return reward, audit_record, verifier, metadata
 
 
