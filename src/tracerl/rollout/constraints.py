@@ -50,7 +50,7 @@ class TokenConstraint(Protocol):
 
 
 class VocabularyTexts:
-    """Each token's text, made once per tokenizer, and split at its first ``"``.
+    """Each token's text, made once per tokenizer, split at its first ``"``.
 
     ``width`` is the model's output width, which may exceed the tokenizer's size (padded
     embeddings): the ids past the tokenizer are never allowed inside a constrained string.
@@ -58,8 +58,6 @@ class VocabularyTexts:
 
     def __init__(self, tokenizer: Any, width: int) -> None:
         size = min(len(tokenizer), width)
-        self.texts: list[str] = []
-        """The decoded text of each token (special tokens and ids past the tokenizer: "")."""
         self.heads: list[str] = []
         """The text of each token before its first quote (the whole text without one)."""
         self.quoted: list[bool] = []
@@ -67,11 +65,9 @@ class VocabularyTexts:
         special = set(getattr(tokenizer, "all_special_ids", []) or [])
         for token_id in range(size):
             text = "" if token_id in special else str(tokenizer.decode([token_id]))
-            self.texts.append(text)
             head, quote, _ = text.partition('"')
             self.heads.append(head if text else "\0")  # "\0" is in no line: never allowed
             self.quoted.append(bool(quote))
-        self.texts.extend("" for _ in range(size, width))
         self.heads.extend("\0" for _ in range(size, width))
         self.quoted.extend(False for _ in range(size, width))
         self.quoted_ids = [i for i, quoted in enumerate(self.quoted) if quoted]

@@ -367,12 +367,6 @@ class UpdateConfig:
     diverse), below 0 a penalty (entropy minimisation: the policy sharpens toward what it
     already prefers, so its samples at a fixed temperature come closer to its greedy
     decoding). 0: off."""
-    edit_text_weight: float = 1.0
-    """Weight of the policy-gradient and entropy terms on the action tokens that are an edit's
-    text (``replace``'s ``old``/``new``, ``write_file``'s ``content``: ``train.edit_text``), against 1 on
-    every other action token (which tool, which line, when to stop). Below 1, RL moves the
-    decisions more than the fixes; 0 leaves the fixes to the warm start (the KL to the
-    reference still acts on them). 1: every action token alike."""
     positive_nll_coef: float = 0.0
     """Weight of an extra likelihood term, ``-coef * log pi``, on the action tokens whose
     advantage is above 0: behaviour cloning of the policy's own better-than-its-group
@@ -687,9 +681,6 @@ def validate(config: TrainConfig) -> None:
     if config.update.sft_coef > 0 and not config.sft.enabled:
         raise ValueError("update.sft_coef: mixes the warm start's demonstrations into RL, "
                          "so it needs sft.enabled: true")
-    if not config.update.edit_text_weight >= 0.0:
-        raise ValueError(f"update.edit_text_weight: must be >= 0, "
-                         f"got {config.update.edit_text_weight}")
     if not config.update.positive_nll_coef >= 0.0:
         raise ValueError(f"update.positive_nll_coef: must be >= 0, "
                          f"got {config.update.positive_nll_coef}")

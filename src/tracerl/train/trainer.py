@@ -44,7 +44,6 @@ from tracerl.rollout.chat_tokens import (
 )
 from tracerl.rollout.collector import Collector, CollectorConfig
 from tracerl.rollout.compaction import CompactionConfig
-from tracerl.rollout.constraints import VocabularyTexts
 from tracerl.trace import Attempt, PackedBatch, Role, TraceStore, Turn, pack, read_attempts
 from tracerl.train import checkpoint as ckpt
 from tracerl.train import ranks
@@ -56,7 +55,6 @@ from tracerl.train.algorithms import (
 from tracerl.train.augment import renamed_copies
 from tracerl.train.config import TrainConfig, config_changes, dump_config, resolve_device
 from tracerl.train.demos import DemonstrationSet, Redraw, TokenizedDemo
-from tracerl.train.edit_text import edit_text_mask
 from tracerl.train.metrics import MetricsWriter, StepProgress
 from tracerl.train.sft import Demonstration, supervised_finetune
 from tracerl.train.update import (
@@ -209,7 +207,6 @@ class Trainer:
         else:
             model, tokenizer = self._build_model()
         self.tokenizer = tokenizer
-        self._texts: VocabularyTexts | None = None
         self.actor = ActorCritic(model, config.critic, config.rollout.temperature).to(self.device)
         self.policy = HFPolicy(model, tokenizer, max_batch_size=config.rollout.concurrency)
         self.demos.bind(self.chat_tokens(), tokenizer)
@@ -629,21 +626,7 @@ class Trainer:
         metrics["segmentation"] = segmentation_report(batch, update.loss_mode,
                                                       update.loss_constant)
         rows = dataclasses.replace(rows, advantages=result.advantages, returns=result.returns)
-        if update.edit_text_weight != 1.0:
-            edits = edit_text_mask(batch.input_ids, mask, self._token_texts())
-            weights = torch.where(edits, update.edit_text_weight, 1.0) * mask.float()
-            rows = dataclasses.replace(rows, token_weights=weights)
-            if bool(mask.any()):
-                metrics["advantage"]["edit_text_fraction"] = float(edits.sum() / mask.sum())
         return rows, metrics
-
-    def _token_texts(self) -> VocabularyTexts:
-        """Each token's text, for finding an action's edit text (made once)."""
-        if self._texts is None:
-            policy: Any = self.actor.policy  # a transformers model
-            width = int(policy.get_output_embeddings().weight.shape[0])
-            self._texts = VocabularyTexts(self.tokenizer, width)
-        return self._texts
 
     def _reference(self) -> ActorCritic | None:
         """The KL anchor: the policy as RL started (after the warm start), frozen."""
