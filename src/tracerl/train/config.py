@@ -367,12 +367,6 @@ class UpdateConfig:
     diverse), below 0 a penalty (entropy minimisation: the policy sharpens toward what it
     already prefers, so its samples at a fixed temperature come closer to its greedy
     decoding). 0: off."""
-    positive_nll_coef: float = 0.0
-    """Weight of an extra likelihood term, ``-coef * log pi``, on the action tokens whose
-    advantage is above 0: behaviour cloning of the policy's own better-than-its-group
-    attempts (filtered, as in expert iteration), unclipped, so it keeps sharpening the tokens
-    that PPO's clip stops moving within a step. Weighted like the policy loss (the same
-    ``loss_mode`` denominators), so micro-batching and ranks leave it unchanged. 0: off."""
     sft_coef: float = 0.0
     """Weight of the warm start's supervised loss mixed into every optimizer step of RL, on a
     fresh batch of ``sft.batch_size`` demonstrations of the train split (drawn as the warm
@@ -681,9 +675,6 @@ def validate(config: TrainConfig) -> None:
     if config.update.sft_coef > 0 and not config.sft.enabled:
         raise ValueError("update.sft_coef: mixes the warm start's demonstrations into RL, "
                          "so it needs sft.enabled: true")
-    if not config.update.positive_nll_coef >= 0.0:
-        raise ValueError(f"update.positive_nll_coef: must be >= 0, "
-                         f"got {config.update.positive_nll_coef}")
     if not 0.0 <= config.sft.fresh_locals <= 1.0:
         raise ValueError(f"sft.fresh_locals: must be a probability in [0, 1], "
                          f"got {config.sft.fresh_locals}")

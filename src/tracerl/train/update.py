@@ -358,11 +358,6 @@ def token_loss(model: ActorCritic, part: RowBatch, config: UpdateConfig, critic:
                                      clip_low=config.clip_low, clip_high=config.clip_high,
                                      dual_clip=config.dual_clip)
     metrics.update(pg)
-    if config.positive_nll_coef > 0:
-        positive = (part.advantages > 0) & mask
-        loss = loss - config.positive_nll_coef * logprobs * positive.to(logprobs.dtype)
-        if bool(mask.any()):
-            metrics["update/positive_token_fraction"] = float(positive.sum() / mask.sum())
     if config.kl_coef > 0 and config.kl_in == "loss":
         assert part.ref_logprobs is not None
         kl, kl_metrics = kl_loss(logprobs, part.ref_logprobs, mask, config.kl_estimator,
