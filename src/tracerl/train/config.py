@@ -301,13 +301,6 @@ class AlgorithmConfig:
     """GAE trace decay λ."""
     whiten: bool = False
     """Whiten advantages over the batch's action tokens."""
-    negative_scale: float = 1.0
-    """Multiply negative advantages by this (after whitening); 1: the estimator's advantages.
-    Below 1 the update leans on reinforcing what succeeded over pushing down what failed: a
-    pushed-down token's probability goes to the others, so negative updates keep (or raise)
-    the policy's entropy and positive ones sharpen it, raising success at a fixed sampling
-    temperature at some cost to pass@k (Zhu et al. 2025 separate the two effects). A group's
-    advantages then no longer sum to zero."""
     step_weight: float = 1.0
     """GiGPO: weight of the step-group advantage added to the episode advantage."""
     step_key: Literal["context", "observation"] = "context"
@@ -692,9 +685,6 @@ def validate(config: TrainConfig) -> None:
         raise ValueError(f"sft.task_count: must be >= 1 or null, got {config.sft.task_count}")
     if config.update.kl_clamp is not None and not config.update.kl_clamp > 0:
         raise ValueError(f"update.kl_clamp: must be > 0 or null, got {config.update.kl_clamp}")
-    if not 0.0 <= config.algorithm.negative_scale <= 1.0:
-        raise ValueError(f"algorithm.negative_scale: must be in [0, 1], "
-                         f"got {config.algorithm.negative_scale}")
     if u.ema_decay is not None and not 0.0 <= u.ema_decay < 1.0:
         raise ValueError(f"update.ema_decay: must be in [0, 1) or null, got {u.ema_decay}")
     if config.update.warmup_steps < 0:
