@@ -18,7 +18,6 @@ from tracerl.envs.tools import parse_tool_call
 from tracerl.models.tiny import build_tiny_model, train_tokenizer
 from tracerl.rollout import HFPolicy
 from tracerl.rollout.chat_tokens import ChatTokens
-from tracerl.train.augment import is_renamed
 from tracerl.train.sft import (
     DemoKind,
     Demonstration,
@@ -352,38 +351,6 @@ def test_demonstrations_can_cover_fewer_tasks_than_rl_trains_on(tmp_path) -> Non
     assert len(demos) == 6 and sorted({d.task_id for d in demos}) == sorted(originals)
     with pytest.raises(ValueError, match=r"sft\.task_count"):
         config_from_dict({"sft": {"task_count": 0}})
-
-
-def test_rl_only_tasks_are_never_demonstrated(tmp_path) -> None:
-    """``tasks.rl_count``: RL draws only from the train split's next tasks (and their renamed
-    copies), which no demonstration shows; the demonstrated tasks are unchanged."""
-    from tracerl.train.config import config_from_dict
-    from tracerl.train.trainer import Trainer
-
-    config = config_from_dict({
-        "run_dir": str(tmp_path / "run"), "threads": 1, "tensorboard": False, "progress": False,
-        "model": {"vocab_size": 400, "hidden_size": 16, "num_layers": 1, "num_heads": 2,
-                  "intermediate_size": 32},
-        "tasks": {"train_count": 4, "rl_count": 3, "renamed_copies": 1, "heldout_count": 2},
-        "sft": {"enabled": True, "demos_per_task": 1},
-        "rollout": {"show_tool_schemas": False, "tasks_per_step": 2, "group_size": 2},
-    })
-    trainer = Trainer(config)
-    trainer.setup()
-    everything = [t.id for t in generate_split("train", count=7)]
-    assert [t.id for t in trainer.train_tasks if not is_renamed(t.id)] == everything[:4]
-    assert [t.id for t in trainer.rl_tasks if not is_renamed(t.id)] == everything[4:]
-    assert len(trainer.rl_tasks) == 6
-    demonstrated = {d.task_id for d in trainer.demonstrations()}
-    rl_ids = {t.id for t in trainer.rl_tasks}
-    assert demonstrated and not demonstrated & rl_ids
-    for step in range(3):
-        chosen = trainer.choose_tasks(step, 2, set())
-        assert len(chosen) == 2 and {t.id for t in chosen} <= rl_ids
-    with pytest.raises(ValueError, match=r"tasks\.rl_count"):
-        config_from_dict({"tasks": {"rl_count": -1}})
-    with pytest.raises(ValueError, match=r"tasks\.rl_count.*train_file"):
-        config_from_dict({"tasks": {"rl_count": 2, "train_file": "tasks.jsonl"}})
 
 
 def test_whole_line_demonstrations_rewrite_the_line_and_pass() -> None:

@@ -89,11 +89,6 @@ class TasksConfig:
     """Renamed copies also give the module's local variables fresh names
     (``train.augment.fresh_local_names``): a local the fix must return is then read, not
     recalled."""
-    rl_count: int = 0
-    """Built-in train tasks made for RL only (with their renamed copies), after the
-    ``train_count`` the demonstrations come from. When above 0, RL draws only from these: the
-    warm start never saw them, so RL's reward measures what transfers rather than what was
-    memorised. 0: RL trains on the demonstrated tasks. Refused with ``train_file``."""
 
 
 @dataclass(frozen=True)
@@ -689,11 +684,6 @@ def validate(config: TrainConfig) -> None:
         raise ValueError(f"update.ema_decay: must be in [0, 1) or null, got {u.ema_decay}")
     if config.update.warmup_steps < 0:
         raise ValueError(f"update.warmup_steps: must be >= 0, got {config.update.warmup_steps}")
-    if config.tasks.rl_count < 0:
-        raise ValueError(f"tasks.rl_count: must be >= 0, got {config.tasks.rl_count}")
-    if config.tasks.rl_count and config.tasks.train_file is not None:
-        raise ValueError("tasks.rl_count: RL-only tasks come from the built-in suite, but "
-                         "tasks.train_file is set; use 0 with a task file")
     if config.tasks.renamed_copies < 0:
         raise ValueError(f"tasks.renamed_copies: must be >= 0, got {config.tasks.renamed_copies}")
     if config.sft.steps < 0:

@@ -189,10 +189,7 @@ class Trainer:
         if self.lead:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._check_config_file()
-        loaded = self._load_tasks("train")
-        cut = len(loaded) - config.tasks.rl_count
-        self.train_tasks = self._with_copies(loaded[:cut])
-        self.rl_tasks = self._with_copies(loaded[cut:]) if cut < len(loaded) else self.train_tasks
+        self.train_tasks = self._with_copies(self._load_tasks("train"))
         self.heldout_tasks = self._load_tasks("heldout")
         self.sandbox = Sandbox()
         self.demos = DemonstrationSet(config, self.train_tasks, self.sandbox)
@@ -247,8 +244,7 @@ class Trainer:
         path.write_text(text, encoding="utf-8")
 
     def _load_tasks(self, split: str) -> list[Task]:
-        """The tasks of "train" (the demonstrated ones, then ``tasks.rl_count`` more that only
-        RL draws from) or "heldout", without renamed copies."""
+        """The tasks of "train" or "heldout", without renamed copies."""
         tasks = self.config.tasks
         source = tasks.train_file if split == "train" else tasks.heldout_file
         if source is not None:
@@ -258,8 +254,7 @@ class Trainer:
         if split == "heldout":
             return generate_split("heldout", tasks.suite_seed, tasks.heldout_count,
                                   max_turns=turns)
-        # A larger count extends a smaller one: the RL-only tasks follow the demonstrated ones.
-        return generate_split("train", self._train_seed(), tasks.train_count + tasks.rl_count,
+        return generate_split("train", self._train_seed(), tasks.train_count,
                               composed=tasks.composed_train, max_turns=turns)
 
     def _train_seed(self) -> int:
@@ -388,7 +383,7 @@ class Trainer:
     def choose_tasks(self, step: int, count: int, exclude: set[str]) -> list[Task]:
         """Tasks of one step: success-weighted (keeps groups mixed) or a seeded sweep."""
         rng = random.Random(f"{self.config.seed}:tasks:{step}:{len(exclude)}")
-        pool = [t for t in self.rl_tasks if t.id not in exclude]
+        pool = [t for t in self.train_tasks if t.id not in exclude]
         dynamic = self.config.dynamic
         if dynamic.success_sampling:
             group = self.config.rollout.group_size
@@ -403,8 +398,8 @@ class Trainer:
                 chosen.append(pool.pop(pick))
                 weights.pop(pick)
             return chosen
-        epoch_size = max(1, len(self.rl_tasks) // count)
-        order = list(self.rl_tasks)
+        epoch_size = max(1, len(self.train_tasks) // count)
+        order = list(self.train_tasks)
         random.Random(f"{self.config.seed}:sweep:{step // epoch_size}").shuffle(order)
         start = (step % epoch_size) * count
         chosen = [t for t in order[start:start + count] if t.id not in exclude]
