@@ -246,14 +246,6 @@ class RolloutConfig:
     default: it rewards what the visible tests measure, a possible source of bias."""
     process_reward_coef: float = 0.1
     """Scale of the process reward."""
-    edit_reward: bool = False
-    """Give each turn a process reward for its tool call: a ``replace`` that the tool applied
-    (and that changed the line) ``coef``, a ``replace`` it refused (``old text not found``) or
-    a malformed call 0. It credits the turn that typed an ``old`` not in the line, which the
-    outcome alone credits only through the whole attempt (an attempt that fixes the bug after
-    three edits that did not apply rewards those three too). Off by default: it rewards edits
-    that apply, whether or not they fix anything (a possible source of bias; the outcome still
-    decides what fixes). With ``gamma`` 0 each turn gets its own reward only."""
 
 
 @dataclass(frozen=True)

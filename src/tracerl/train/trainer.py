@@ -494,7 +494,7 @@ class Trainer:
         configured, and applies each ending's treatment while packing. The batch is None when
         dynamic sampling kept no group (all were uniform and no refill found a mixed one).
         """
-        if self.config.rollout.process_reward or self.config.rollout.edit_reward:
+        if self.config.rollout.process_reward:
             attempts = [self._with_process_rewards(a) for a in attempts]
         batch = pack(attempts, has_critic=self.actor.has_critic,
                      pad_token_id=int(self.tokenizer.pad_token_id)) if attempts else None
@@ -543,15 +543,10 @@ class Trainer:
         return batch, metrics
 
     def _with_process_rewards(self, attempt: Attempt) -> Attempt:
-        """Process rewards read from the observations that came back: with
-        ``rollout.process_reward`` each turn that ran the visible tests gets
-        ``coef * [the tests passed]``; with ``rollout.edit_reward`` each ``replace`` gets
-        ``coef * [the tool applied it and it changed the line]`` and each malformed call 0.
-        Both are off by default (see the config fields: each rewards something the hidden
-        tests do not measure, a possible source of bias)."""
-        rollout = self.config.rollout
-        coef = rollout.process_reward_coef
-        rewarded = {"run_tests": rollout.process_reward, "replace": rollout.edit_reward}
+        """Each turn that ran the visible tests gets ``coef * [the tests passed]``, read from
+        the observation that came back. Off by default: it rewards what the visible tests
+        measure, which the hidden tests may not (a possible source of bias)."""
+        coef = self.config.rollout.process_reward_coef
         fragments = []
         for fragment in attempt.fragments:
             turns = list(fragment.turns)
@@ -561,23 +556,14 @@ class Trainer:
                     continue
                 text = self.policy.decode(action[-1].token_ids.tolist())
                 call = parse_tool_call(text).call
-                if call is None:
-                    if rollout.edit_reward:
-                        turns[i] = Turn(turn.segments, 0.0)
-                    continue
-                if not rewarded.get(call.name, False):
+                if call is None or call.name != "run_tests":
                     continue
                 if i + 1 < len(turns):
                     following = turns[i + 1].segments[0].token_ids
                 else:
                     following = fragment.continuation_ids
-                answer = self.policy.decode(following.tolist()).lstrip()
-                if call.name == "run_tests":
-                    earned = answer.startswith("PASS")
-                else:
-                    earned = (answer.startswith("OK")
-                              and call.arguments.get("old") != call.arguments.get("new"))
-                turns[i] = Turn(turn.segments, coef * float(earned))
+                passed = self.policy.decode(following.tolist()).lstrip().startswith("PASS")
+                turns[i] = Turn(turn.segments, coef * float(passed))
             fragments.append(dataclasses.replace(fragment, turns=tuple(turns)))
         return dataclasses.replace(attempt, fragments=tuple(fragments))
 
