@@ -3,10 +3,8 @@ exactly as the collector builds an attempt."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
-import re
 from collections.abc import Iterator
 
 import pytest
@@ -136,76 +134,6 @@ def test_renamed_copies_are_valid_tasks_with_fresh_names() -> None:
         assert old != new and copy.id == f"{original.id}~r0"
         assert old not in copy.instruction and f"test_{new}.py" in copy.files
         assert validate_task(copy, sandbox).problems == ()
-
-
-def test_fresh_locals_rename_only_code_and_keep_tasks_valid() -> None:
-    from tracerl.envs import Sandbox, validate_task
-    from tracerl.train.augment import (
-        fresh_local_names,
-        local_names,
-        module_name,
-        rename_task_locals,
-        renamed_copies,
-    )
-
-    tasks = generate_split("train", 0, 40, composed=True)
-    # A local that is also a word of the docstring or a string literal is not renamable.
-    offset = next(t for t in generate_split("heldout", 0, 32) if module_name(t) == "offset")
-    assert local_names(offset) == ("d", "e")
-    rng = random.Random(0)
-    renamed_any = 0
-    for task in tasks:
-        mapping = fresh_local_names(task, rng)
-        assert set(mapping) == set(local_names(task))
-        assert len(set(mapping.values())) == len(mapping)
-        renamed_any += bool(mapping)
-    assert renamed_any >= 10
-    originals = [t for t in tasks if local_names(t)][:6]
-    copies = renamed_copies(originals, 1, seed=0, fresh_locals=True)[len(originals):]
-    sandbox = Sandbox()
-    for original, copy in zip(originals, copies, strict=True):
-        old_source = original.files[f"{module_name(original)}.py"]
-        new_source = copy.files[f"{module_name(copy)}.py"]
-        assert old_source.count("\n") == new_source.count("\n")
-        assert not set(local_names(original)) & set(local_names(copy))
-        assert validate_task(copy, sandbox).problems == ()
-    with pytest.raises(ValueError, match="not renamable locals"):
-        rename_task_locals(offset, {"a": "q"})
-
-
-def test_a_demonstration_with_renamed_locals_is_answered_as_rewritten() -> None:
-    from tracerl.train.augment import fresh_local_names, rename_task_locals
-    from tracerl.train.sft import locals_rename_is_exact, rename_demonstration_locals
-
-    rng = random.Random(5)
-    kinds = ("correct", "checked", "wrong", "wrong_checked", "recovery", "retry", "search")
-    checked = refused = 0
-    for index, task in enumerate(generate_split("train", 0, 60, composed=True)):
-        mapping = fresh_local_names(task, rng)
-        if not mapping:
-            continue
-        renamed = dataclasses.replace(rename_task_locals(task, mapping), id=f"{task.id}~L")
-        env = CodingEnv([task, renamed])
-        try:
-            played = play_demonstration(task, kinds[index % len(kinds)], env,
-                                        random.Random(index), line_edits=True,
-                                        implicit_path=True, undo=True)
-            if not locals_rename_is_exact(task, played, mapping):
-                refused += 1  # the trainer draws other names (or keeps the demonstration's)
-                continue
-            rewritten = rename_demonstration_locals(played, mapping)
-            first, _ = env.reset(options={"task_id": renamed.id})
-            assert rewritten.first_observation == first
-            listing = rewritten.turns[0][1] or ""  # view_file: the code, with the new names
-            assert all(re.search(rf"\b{name}\b", listing) for name in mapping.values())
-            for action, observation in rewritten.turns:
-                if observation is None:
-                    break
-                assert env.step(action)[0] == observation
-        finally:
-            env.close()
-        checked += 1
-    assert checked >= 20 and refused <= checked // 4
 
 
 def test_minimal_edit_is_the_shortest_unique_change() -> None:

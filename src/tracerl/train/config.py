@@ -85,10 +85,6 @@ class TasksConfig:
     renamed_copies: int = 0
     """Renamed copies of each train task (function and module given fresh names), so a small
     policy learns to copy names from what it reads instead of memorising the suite's."""
-    fresh_locals: bool = False
-    """Renamed copies also give the module's local variables fresh names
-    (``train.augment.fresh_local_names``): a local the fix must return is then read, not
-    recalled."""
 
 
 @dataclass(frozen=True)
@@ -142,11 +138,6 @@ class SFTConfig:
     """Probability that a demonstration, each time it is drawn for a batch, is renamed with a
     freshly drawn function/module name (see ``train.augment``): the policy must then copy the
     name it reads, as it will have to on held-out tasks, instead of recalling it."""
-    fresh_locals: float = 0.0
-    """Probability that a demonstration, each time it is drawn, also has its task's local
-    variables renamed with freshly drawn names (``train.augment.fresh_local_names``): the
-    composed templates fix one set of locals per body, which a small policy otherwise
-    recalls instead of copying."""
     implicit_path: bool = False
     """Demonstrations call ``view_file`` and ``replace`` without ``path``, relying on the
     environment's open file (see ``CodingEnv.open_file``): names need not be typed at all."""
@@ -655,9 +646,6 @@ def validate(config: TrainConfig) -> None:
     if config.update.sft_coef > 0 and not config.sft.enabled:
         raise ValueError("update.sft_coef: mixes the warm start's demonstrations into RL, "
                          "so it needs sft.enabled: true")
-    if not 0.0 <= config.sft.fresh_locals <= 1.0:
-        raise ValueError(f"sft.fresh_locals: must be a probability in [0, 1], "
-                         f"got {config.sft.fresh_locals}")
     if not config.sft.observation_weight >= 0.0:
         raise ValueError(f"sft.observation_weight: must be >= 0, "
                          f"got {config.sft.observation_weight}")

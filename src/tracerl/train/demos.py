@@ -5,7 +5,7 @@ A run with ``sft.enabled`` plays scripted, imperfect demonstrations of its train
 the tiny model's tokenizer, the warm start fine-tunes on them, and ``update.sft_coef`` mixes a
 fresh batch of them into every RL optimizer step. :class:`DemonstrationSet` holds them for the
 trainer so that all three see the same demonstrations and the same renaming per draw
-(``sft.fresh_names``, ``sft.fresh_locals``), and so that a resumed run draws what it drew.
+(``sft.fresh_names``), and so that a resumed run draws what it drew.
 """
 
 from __future__ import annotations
@@ -17,16 +17,14 @@ from typing import Any
 
 from tracerl.envs import CodingEnv, Sandbox, Task
 from tracerl.rollout.chat_tokens import ChatTokens
-from tracerl.train.augment import fresh_local_names, fresh_name, is_renamed, module_name
+from tracerl.train.augment import fresh_name, is_renamed, module_name
 from tracerl.train.config import TrainConfig
 from tracerl.train.sft import (
     Demonstration,
     demonstration_texts,
-    locals_rename_is_exact,
     make_demonstrations,
     pad_sequences,
     rename_demonstration,
-    rename_demonstration_locals,
     tokenize_demonstration,
 )
 from tracerl.train.update import DemonstrationBatch
@@ -94,7 +92,7 @@ class DemonstrationSet:
     def sequences(self) -> tuple[list[TokenizedDemo], Redraw | None]:
         """The demonstrations tokenized, and ``redraw(index, rng, names)`` that gives one of
         them as SFT trains on it (with probability ``sft.fresh_names`` a fresh name drawn from
-        ``names``, and likewise fresh locals; None when neither is on). Made on the first call
+        ``names``; None when it is off). Made on the first call
         after :meth:`bind`."""
         if self._sequences is not None:
             return self._sequences
@@ -105,29 +103,15 @@ class DemonstrationSet:
         demos = self.demonstrations()
         sequences = [tokenize_demonstration(d, chat, tokenizer) for d in demos]
         modules = {t.id: module_name(t) for t in self.tasks}
-        by_id = {t.id: t for t in self.tasks}
 
         def redraw(index: int, rng: random.Random, names: random.Random) -> TokenizedDemo:
-            rename = rng.random() < sft.fresh_names
-            # Drawn only when on, so a run without fresh locals draws what it always drew.
-            relocal = sft.fresh_locals > 0 and rng.random() < sft.fresh_locals
-            if not (rename or relocal):
+            if not rng.random() < sft.fresh_names:
                 return sequences[index]
             demo = demos[index]
-            new = fresh_name(names) if rename else modules[demo.task_id]
-            if rename:
-                demo = rename_demonstration(demo, modules[demo.task_id], new)
-            if relocal:
-                task = by_id[demos[index].task_id]
-                for _ in range(4):  # names under which every edit still applies as shown
-                    mapping = fresh_local_names(task, names, taken=frozenset({new}))
-                    if locals_rename_is_exact(task, demos[index], mapping):
-                        demo = rename_demonstration_locals(demo, mapping)
-                        break
+            demo = rename_demonstration(demo, modules[demo.task_id], fresh_name(names))
             return tokenize_demonstration(demo, chat, tokenizer)
 
-        self._sequences = sequences, (
-            redraw if sft.fresh_names > 0 or sft.fresh_locals > 0 else None)
+        self._sequences = sequences, (redraw if sft.fresh_names > 0 else None)
         return self._sequences
 
     def batch(self, optimizer_step: int) -> DemonstrationBatch:

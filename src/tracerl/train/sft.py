@@ -18,7 +18,7 @@ import math
 import random
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,11 +26,10 @@ import torch
 
 from tracerl.core import loss_weights
 from tracerl.envs.tasks import Task
-from tracerl.envs.tools import parse_tool_call
 from tracerl.models.tiny import render_tool_call
 from tracerl.rollout.chat_tokens import ChatTokens
 from tracerl.rollout.sampling import logprobs_from_logits
-from tracerl.train.augment import RENAMED_MARK, module_name, rename_locals_text, rename_text
+from tracerl.train.augment import RENAMED_MARK, rename_text
 
 DemoKind = Literal["correct", "checked", "wrong", "wrong_checked", "recovery", "retry",
                    "search"]
@@ -380,45 +379,6 @@ def rename_demonstration(demo: Demonstration, old: str, new: str) -> Demonstrati
         first_observation=first,
         turns=tuple((rename_text(a, old, new), None if o is None else rename_text(o, old, new))
                     for a, o in demo.turns))
-
-
-def rename_demonstration_locals(demo: Demonstration, mapping: Mapping[str, str]
-                                ) -> Demonstration:
-    """``demo`` with the task's locals renamed by ``mapping`` (``augment.rename_task_locals``):
-    those names occur only in the module's code, so a whole-word rewrite of every text is an
-    attempt at the renamed task that the environment answers with the rewritten observations,
-    when ``locals_rename_is_exact`` holds (a test steps the rewritten actions to check it).
-    Its ``old`` texts may be longer than the shortest unique ones on the renamed line."""
-    def rewrite(text: str) -> str:
-        return rename_locals_text(text, mapping)
-
-    return dataclasses.replace(
-        demo, first_observation=rewrite(demo.first_observation),
-        turns=tuple((rewrite(a), None if o is None else rewrite(o)) for a, o in demo.turns))
-
-
-def locals_rename_is_exact(task: Task, demo: Demonstration, mapping: Mapping[str, str]
-                           ) -> bool:
-    """Whether renaming the locals by ``mapping`` keeps, for every ``old`` the demonstration's
-    edits type, how often it occurs in each line of the module and of its solution, so that
-    the ``replace`` tool answers each rewritten edit as it answered the original (a short name
-    may occur inside a longer one: ``v`` in ``every``)."""
-    olds: list[str] = []
-    for action, _ in demo.turns:
-        call = parse_tool_call(action).call
-        if call is not None and call.name == "replace" and isinstance(
-                call.arguments.get("old"), str):
-            olds.append(call.arguments["old"])
-    if not olds:
-        return True
-    path = f"{module_name(task)}.py"
-    for source in (task.files[path], (task.solution or {}).get(path, "")):
-        renamed = rename_locals_text(source, mapping)
-        for before, after in zip(source.splitlines(), renamed.splitlines(), strict=True):
-            for old in olds:
-                if before.count(old) != after.count(rename_locals_text(old, mapping)):
-                    return False
-    return True
 
 
 def demonstration_texts(demos: Sequence[Demonstration]) -> list[str]:

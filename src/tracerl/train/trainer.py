@@ -264,8 +264,7 @@ class Trainer:
     def _with_copies(self, tasks: list[Task]) -> list[Task]:
         """``tasks`` followed by their renamed copies (``tasks.renamed_copies`` of each)."""
         copies, seed = self.config.tasks.renamed_copies, self._train_seed()
-        return (renamed_copies(tasks, copies, seed, fresh_locals=self.config.tasks.fresh_locals)
-                if copies else tasks)
+        return renamed_copies(tasks, copies, seed) if copies else tasks
 
     def make_env_factory(self, tasks: Sequence[Task]) -> Callable[[], CodingEnv]:
         """A factory of fresh environments over ``tasks`` (one per attempt)."""
