@@ -3,7 +3,6 @@ exactly as the collector builds an attempt."""
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 
@@ -279,31 +278,6 @@ def test_demonstrations_can_cover_fewer_tasks_than_rl_trains_on(tmp_path) -> Non
     assert len(demos) == 6 and sorted({d.task_id for d in demos}) == sorted(originals)
     with pytest.raises(ValueError, match=r"sft\.task_count"):
         config_from_dict({"sft": {"task_count": 0}})
-
-
-def test_whole_line_demonstrations_rewrite_the_line_and_pass() -> None:
-    tasks = generate_split("train", 0, 28, composed=True)
-    env = CodingEnv(tasks)
-    rng = random.Random(3)
-    passed_wrong = 0
-    try:
-        for task in tasks:
-            _, number, _, good = bug_location(task)
-            for kind in ("checked", "recovery", "search"):
-                demo = play_demonstration(task, kind, env, rng, line_edits=True,
-                                          implicit_path=True, whole_line=True)
-                edits = [json.loads(a.split("<tool_call>")[1].split("</tool_call>")[0])
-                         for a, _ in demo.turns if '"replace"' in a]
-                assert edits and all(set(e["arguments"]) == {"line", "new"} for e in edits)
-                assert edits[-1]["arguments"]["line"] == number
-                assert demo.turns[-2][1] == "PASS"  # the last test run, before submit
-                # The fix, or a wrong try the visible tests happen to pass (then submitted).
-                passed_wrong += edits[-1]["arguments"]["new"] != good.strip()
-    finally:
-        env.close()
-    assert passed_wrong <= 2
-    with pytest.raises(ValueError, match="whole_line needs line_edits"):
-        play_demonstration(tasks[0], "correct", CodingEnv(tasks), rng, whole_line=True)
 
 
 def _tries(count: int, seed: int, restart: bool = False

@@ -145,10 +145,6 @@ class SFTConfig:
     """Demonstrations edit with ``replace`` scoped to one line (``line``, and ``old``/``new`` as
     short as the change): a small model then copies a line number and one operator instead of
     a whole line of code. False: ``old`` is the whole (stripped) buggy line."""
-    whole_line: bool = False
-    """With ``line_edits``: demonstrations rewrite the bug's line (``replace`` with ``line`` and
-    ``new``, no ``old``; the tool keeps the indentation). The policy then retypes the line it
-    reads, changing it where the bug is, instead of locating and copying a fragment of it."""
     edit_anchor: int = 0
     """With ``line_edits``: ``old`` and ``new`` also hold this many words or symbols of the
     line before the change (``"x >"`` to ``"x >="`` with 1, ``">"`` to ``">="`` with 0), so
@@ -679,16 +675,11 @@ def validate(config: TrainConfig) -> None:
     for name, fraction in fractions.items():
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"{name}: must be in [0, 1], got {fraction}")
-    if config.sft.whole_line and not config.sft.line_edits:
-        raise ValueError("sft.whole_line: rewrites one line, so it needs sft.line_edits: true")
     if config.sft.edit_anchor < 0:
         raise ValueError(f"sft.edit_anchor: must be >= 0, got {config.sft.edit_anchor}")
-    if config.sft.edit_anchor and (config.sft.whole_line or not config.sft.line_edits):
+    if config.sft.edit_anchor and not config.sft.line_edits:
         raise ValueError("sft.edit_anchor: widens line edits' old/new, so it needs "
-                         "sft.line_edits: true and sft.whole_line: false")
-    if config.sft.whole_line and config.sft.retry_fraction > 0:
-        raise ValueError("sft.retry_fraction: retry demonstrations misremember `old`, which "
-                         "whole-line edits (sft.whole_line) never type; set it to 0")
+                         "sft.line_edits: true")
     if config.sft.recovery_fraction > config.sft.wrong_edit_fraction:
         raise ValueError("sft.recovery_fraction: recoveries follow wrong edits, so it must be "
                          f"<= sft.wrong_edit_fraction ({config.sft.wrong_edit_fraction})")

@@ -74,7 +74,7 @@ class DemonstrationSet:
                 recovery_fraction=sft.recovery_fraction, check_fraction=sft.check_fraction,
                 seed=self.config.seed, line_edits=sft.line_edits,
                 implicit_path=sft.implicit_path, retry_fraction=sft.retry_fraction,
-                search_fraction=sft.search_fraction, whole_line=sft.whole_line,
+                search_fraction=sft.search_fraction,
                 undo=sft.undo, restart=sft.restart, edit_anchor=sft.edit_anchor)
         return self._demos
 

@@ -237,32 +237,27 @@ def plan_kind(rng: random.Random, wrong_fraction: float, recovery_fraction: floa
 
 
 def _edit(path: str | None, line: int | None, before: str, after: str,
-          old: str | None = None, whole_line: bool = False, anchor: int = 0) -> str:
+          old: str | None = None, anchor: int = 0) -> str:
     """A ``replace`` call turning ``before`` into ``after``: the whole text, or (with ``line``)
-    the minimal change within that line, or (``whole_line``) that line rewritten without
-    ``old``, its indentation left to the tool; ``path`` None relies on the open file. ``old``,
+    the minimal change within that line; ``path`` None relies on the open file. ``old``,
     when given, replaces the text to find (a wrong one, for a demonstration of the tool's
     error). ``anchor``: see ``minimal_edit``."""
     where: dict[str, object] = {} if path is None else {"path": path}
     if line is None:
         return render_tool_call("replace", {**where, "old": old or before, "new": after})
-    if whole_line and old is None:
-        return render_tool_call("replace", {**where, "line": line, "new": after.strip()})
     found, new = minimal_edit(before, after, anchor)
     return render_tool_call("replace", {**where, "line": line, "old": old or found, "new": new})
 
 
 def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random, *,
                        line_edits: bool = False, implicit_path: bool = False,
-                       whole_line: bool = False, undo: bool = False,
+                       undo: bool = False,
                        restart: bool = False, edit_anchor: int = 0) -> Demonstration:
     """Play one scripted attempt in ``env`` (a ``CodingEnv``); submit is not stepped (its
     observation is never shown to the policy, and verification would only cost time).
 
     ``line_edits``: edits name the line and replace only the changed tokens (see
-    ``minimal_edit``), or with ``whole_line`` rewrite that line (no ``old`` to copy: the
-    policy retypes the line and changes it where the bug is); otherwise ``old`` is the whole
-    stripped buggy line. ``implicit_path``:
+    ``minimal_edit``); otherwise ``old`` is the whole stripped buggy line. ``implicit_path``:
     ``view_file`` and ``replace`` leave out ``path`` and act on the environment's open file
     (the task's first editable file, which is the one with the bug in the built-in suite).
     ``undo``: after a wrong edit's FAIL, ``recovery`` and ``search`` call ``undo`` and make the
@@ -273,8 +268,6 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
     to pass is submitted, as a demonstrator who cannot tell would.
     ``edit_anchor``: line edits' ``old`` and ``new`` start that many words or symbols before
     the change (``minimal_edit``'s ``anchor``)."""
-    if whole_line and not line_edits:
-        raise ValueError("play_demonstration: whole_line needs line_edits")
     if line_edits:
         path, number, bad, good = bug_location(task)
         line: int | None = number
@@ -288,8 +281,7 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
     named: str | None = None if implicit_path else path
 
     def edit(before: str, after: str, old: str | None = None) -> str:
-        return _edit(named, line, before, after, old=old, whole_line=whole_line,
-                     anchor=edit_anchor)
+        return _edit(named, line, before, after, old=old, anchor=edit_anchor)
 
     actions = [render_tool_call("view_file", {} if named is None else {"path": named})]
     if kind == "retry":
@@ -341,13 +333,10 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                         demos_per_task: int, wrong_fraction: float, recovery_fraction: float,
                         check_fraction: float, seed: int, line_edits: bool = False,
                         implicit_path: bool = False, retry_fraction: float = 0.0,
-                        search_fraction: float = 0.0, whole_line: bool = False,
+                        search_fraction: float = 0.0,
                         undo: bool = False, restart: bool = False,
                         edit_anchor: int = 0) -> list[Demonstration]:
     """``demos_per_task`` demonstrations of each task, kinds drawn from the fractions."""
-    if whole_line and retry_fraction > 0:
-        raise ValueError("make_demonstrations: retry demonstrations misremember `old`, which "
-                         "whole-line edits do not type; set retry_fraction to 0")
     rng = random.Random(seed)
     env = make_env()
     demos: list[Demonstration] = []
@@ -357,8 +346,7 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                 kind = plan_kind(rng, wrong_fraction, recovery_fraction, check_fraction,
                                  retry_fraction, search_fraction)
                 demos.append(play_demonstration(task, kind, env, rng, line_edits=line_edits,
-                                                implicit_path=implicit_path,
-                                                whole_line=whole_line, undo=undo,
+                                                implicit_path=implicit_path, undo=undo,
                                                 restart=restart, edit_anchor=edit_anchor))
     finally:
         env.close()
