@@ -48,7 +48,6 @@ def test_overrides_are_typed() -> None:
     ("algorithm.estimator=ppo", "algorithm.estimator: got 'ppo', accepts one of 'grpo'"),
     ("update=3", "update: got 3, accepts a mapping"),
     ("update.sft_coef=-0.5", "update.sft_coef: must be >= 0"),
-    ("sft.edit_anchor=-1", "sft.edit_anchor: must be >= 0"),
     ("update.ema_decay=1.0", "update.ema_decay: must be in .0, 1) or null, got 1.0"),
     ("rollout.threads=0", "rollout.threads: must be >= 1 or null, got 0"),
     ("threads=0", "threads: must be >= 1 or null, got 0"),

@@ -145,11 +145,6 @@ class SFTConfig:
     """Demonstrations edit with ``replace`` scoped to one line (``line``, and ``old``/``new`` as
     short as the change): a small model then copies a line number and one operator instead of
     a whole line of code. False: ``old`` is the whole (stripped) buggy line."""
-    edit_anchor: int = 0
-    """With ``line_edits``: ``old`` and ``new`` also hold this many words or symbols of the
-    line before the change (``"x >"`` to ``"x >="`` with 1, ``">"`` to ``">="`` with 0), so
-    that the policy locates the change by what precedes it and then copies, instead of
-    producing the changed token with nothing in the line to copy it from."""
     undo: bool = False
     """``recovery`` and ``search`` demonstrations call ``undo`` after a wrong edit's FAIL, so
     every try is made on the line as the task gave it (one text to copy from, the first
@@ -675,11 +670,6 @@ def validate(config: TrainConfig) -> None:
     for name, fraction in fractions.items():
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"{name}: must be in [0, 1], got {fraction}")
-    if config.sft.edit_anchor < 0:
-        raise ValueError(f"sft.edit_anchor: must be >= 0, got {config.sft.edit_anchor}")
-    if config.sft.edit_anchor and not config.sft.line_edits:
-        raise ValueError("sft.edit_anchor: widens line edits' old/new, so it needs "
-                         "sft.line_edits: true")
     if config.sft.recovery_fraction > config.sft.wrong_edit_fraction:
         raise ValueError("sft.recovery_fraction: recoveries follow wrong edits, so it must be "
                          f"<= sft.wrong_edit_fraction ({config.sft.wrong_edit_fraction})")

@@ -105,18 +105,13 @@ def _common_ends(ta: list[str], tb: list[str]) -> tuple[int, int]:
     return head, tail
 
 
-def minimal_edit(before: str, after: str, anchor: int = 0) -> tuple[str, str]:
+def minimal_edit(before: str, after: str) -> tuple[str, str]:
     """The shortest (old, new) pair, on token boundaries, that turns the line ``before`` into
     ``after`` with one replacement, ``old`` occurring exactly once in ``before``.
 
     The common prefix and suffix of the two token lists are left out; when that leaves
     ``old`` empty (a pure insertion) or not unique in the line, it grows by a token at a time,
-    left then right. ``anchor`` then adds up to that many more words or symbols of the line
-    on the left (never its indentation): ``"x >"`` to ``"x >="`` instead of ``">"`` to
-    ``">="``. ``old`` then starts with text the policy can find by what precedes the change
-    and continues by copying, which is how small transformers copy (induction)."""
-    if anchor < 0:
-        raise ValueError(f"minimal_edit: anchor must be >= 0, got {anchor}")
+    left then right."""
     if before == after:
         raise ValueError("minimal_edit: the lines are equal; there is nothing to replace")
     ta, tb = _PIECE.findall(before), _PIECE.findall(after)
@@ -128,15 +123,9 @@ def minimal_edit(before: str, after: str, anchor: int = 0) -> tuple[str, str]:
 
     grow_left = True
     while True:
-        old = piece()[0]
+        old, new = piece()
         if old.strip() and before.count(old) == 1:
-            # lo_a == lo_b throughout: the pieces left of them are the lines' common prefix.
-            for _ in range(anchor):
-                start = lo_a - 1 if lo_a > 0 and ta[lo_a - 1].isspace() else lo_a
-                if start == 0:
-                    break  # only the indentation (or nothing) is left on the left
-                lo_a = lo_b = start - 1
-            return piece()
+            return old, new
         if grow_left and lo_a > 0:
             lo_a, lo_b = lo_a - 1, lo_b - 1
         elif hi_a < len(ta):
@@ -237,22 +226,22 @@ def plan_kind(rng: random.Random, wrong_fraction: float, recovery_fraction: floa
 
 
 def _edit(path: str | None, line: int | None, before: str, after: str,
-          old: str | None = None, anchor: int = 0) -> str:
+          old: str | None = None) -> str:
     """A ``replace`` call turning ``before`` into ``after``: the whole text, or (with ``line``)
     the minimal change within that line; ``path`` None relies on the open file. ``old``,
     when given, replaces the text to find (a wrong one, for a demonstration of the tool's
-    error). ``anchor``: see ``minimal_edit``."""
+    error)."""
     where: dict[str, object] = {} if path is None else {"path": path}
     if line is None:
         return render_tool_call("replace", {**where, "old": old or before, "new": after})
-    found, new = minimal_edit(before, after, anchor)
+    found, new = minimal_edit(before, after)
     return render_tool_call("replace", {**where, "line": line, "old": old or found, "new": new})
 
 
 def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random, *,
                        line_edits: bool = False, implicit_path: bool = False,
                        undo: bool = False,
-                       restart: bool = False, edit_anchor: int = 0) -> Demonstration:
+                       restart: bool = False) -> Demonstration:
     """Play one scripted attempt in ``env`` (a ``CodingEnv``); submit is not stepped (its
     observation is never shown to the policy, and verification would only cost time).
 
@@ -265,9 +254,7 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
     wins over ``undo``): after a wrong try's FAIL they call ``restart``, which ends this context;
     the demonstration stops there (the environment is not stepped, as for ``submit``).
     Every demonstration submits at its first PASS: a wrong try that the visible tests happen
-    to pass is submitted, as a demonstrator who cannot tell would.
-    ``edit_anchor``: line edits' ``old`` and ``new`` start that many words or symbols before
-    the change (``minimal_edit``'s ``anchor``)."""
+    to pass is submitted, as a demonstrator who cannot tell would."""
     if line_edits:
         path, number, bad, good = bug_location(task)
         line: int | None = number
@@ -281,11 +268,11 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
     named: str | None = None if implicit_path else path
 
     def edit(before: str, after: str, old: str | None = None) -> str:
-        return _edit(named, line, before, after, old=old, anchor=edit_anchor)
+        return _edit(named, line, before, after, old=old)
 
     actions = [render_tool_call("view_file", {} if named is None else {"path": named})]
     if kind == "retry":
-        found = minimal_edit(bad, good, edit_anchor)[0] if line is not None else bad
+        found = minimal_edit(bad, good)[0] if line is not None else bad
         actions += [edit(bad, good, old=misremembered_old(bad, found, rng)), edit(bad, good),
                     _call("run_tests")]
     elif kind in ("search", "recovery") and restart:
@@ -334,8 +321,7 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                         check_fraction: float, seed: int, line_edits: bool = False,
                         implicit_path: bool = False, retry_fraction: float = 0.0,
                         search_fraction: float = 0.0,
-                        undo: bool = False, restart: bool = False,
-                        edit_anchor: int = 0) -> list[Demonstration]:
+                        undo: bool = False, restart: bool = False) -> list[Demonstration]:
     """``demos_per_task`` demonstrations of each task, kinds drawn from the fractions."""
     rng = random.Random(seed)
     env = make_env()
@@ -347,7 +333,7 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                                  retry_fraction, search_fraction)
                 demos.append(play_demonstration(task, kind, env, rng, line_edits=line_edits,
                                                 implicit_path=implicit_path, undo=undo,
-                                                restart=restart, edit_anchor=edit_anchor))
+                                                restart=restart))
     finally:
         env.close()
     return demos
