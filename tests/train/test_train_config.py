@@ -108,12 +108,12 @@ def test_a_reused_run_dir_says_what_changed(tmp_path: Path) -> None:
     run.mkdir()
     old = load_config(None, [f"run_dir={run}", "rollout.max_turns=8"])
     (run / "config.yaml").write_text(dump_config(old))
-    new = load_config(None, [f"run_dir={run}", "rollout.max_turns=12", "sft.restart=true"])
+    new = load_config(None, [f"run_dir={run}", "rollout.max_turns=12", "sft.undo=true"])
     messages: list[str] = []
     Trainer(new, log=messages.append)._check_config_file()
     (message,) = messages
     assert "already holds a run" in message
-    assert "rollout.max_turns: 8 -> 12" in message and "sft.restart: False -> True" in message
+    assert "rollout.max_turns: 8 -> 12" in message and "sft.undo: False -> True" in message
     assert load_config(run / "config.yaml") == new
     (kept,) = run.glob("config.*.yaml")
     assert load_config(kept) == old and kept.name in message

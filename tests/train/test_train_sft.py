@@ -249,8 +249,7 @@ def test_demonstrations_can_cover_fewer_tasks_than_rl_trains_on(tmp_path) -> Non
         config_from_dict({"sft": {"task_count": 0}})
 
 
-def _tries(count: int, seed: int, restart: bool = False
-           ) -> Iterator[tuple[Task, Demonstration]]:
+def _tries(count: int, seed: int) -> Iterator[tuple[Task, Demonstration]]:
     """``recovery`` and ``search`` demonstrations (with ``undo``) of ``count`` train tasks."""
     tasks = generate_split("train", 0, count, composed=True)
     env = CodingEnv(tasks)
@@ -260,7 +259,7 @@ def _tries(count: int, seed: int, restart: bool = False
         for task in tasks:
             for kind in kinds:
                 yield task, play_demonstration(task, kind, env, rng, line_edits=True,
-                                               implicit_path=True, undo=True, restart=restart)
+                                               implicit_path=True, undo=True)
     finally:
         env.close()
 
@@ -289,23 +288,6 @@ def test_undo_demonstrations_make_every_try_on_the_original_line() -> None:
         assert all(c.arguments["old"] in bad for c in calls
                    if c is not None and c.name == "replace")
     assert passed_wrong < 10  # rare: most wrong tries fail the visible tests
-
-
-def test_restart_demonstrations_end_at_the_restart_after_a_fail() -> None:
-    ended = 0
-    for _, demo in _tries(21, 3, restart=True):
-        calls = [parse_tool_call(a).call for a, _ in demo.turns]
-        names = [c.name for c in calls if c is not None]
-        assert len(names) == len(calls) and names.count("replace") == 1
-        if names[-1] == "submit":  # the wrong try passed the visible tests
-            assert demo.turns[-2][1] == "PASS"
-            continue
-        ended += 1
-        # One wrong try, its FAIL, then restart: the context ends there.
-        assert names == ["view_file", "replace", "run_tests", "restart"]
-        assert demo.turns[2][1] is not None and demo.turns[2][1].startswith("FAIL")
-        assert demo.turns[-1][1] is None
-    assert ended > 30
 
 
 def test_train_seed_redraws_the_train_split_only(tmp_path) -> None:

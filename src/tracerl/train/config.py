@@ -149,11 +149,6 @@ class SFTConfig:
     """``recovery`` and ``search`` demonstrations call ``undo`` after a wrong edit's FAIL, so
     every try is made on the line as the task gave it (one text to copy from, the first
     view); off: the next edit changes the wrong version."""
-    restart: bool = False
-    """``recovery`` and ``search`` demonstrations call ``restart`` after a wrong try's FAIL
-    (instead of ``undo``): the files go back as the task gave them and the attempt goes on in
-    a fresh context, so the next try is a new sample rather than a copy of the failed one.
-    Each such demonstration ends at the ``restart`` (what follows is an ordinary first try)."""
 
 
 @dataclass(frozen=True)

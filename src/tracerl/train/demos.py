@@ -75,7 +75,7 @@ class DemonstrationSet:
                 seed=self.config.seed, line_edits=sft.line_edits,
                 implicit_path=sft.implicit_path, retry_fraction=sft.retry_fraction,
                 search_fraction=sft.search_fraction,
-                undo=sft.undo, restart=sft.restart)
+                undo=sft.undo)
         return self._demos
 
     def tokenizer_texts(self) -> list[str]:

@@ -42,10 +42,7 @@ versions of the buggy part of the line, each tested and FAIL, then the right one
 submit: a demonstrator that does not know the fix and uses the tests to find it). With
 ``undo``, ``recovery`` and ``search`` undo each failed try (FAIL, ``undo``, the line shown as
 the task gave it) and edit that line again; ``search`` then makes one wrong try, as three
-turns per try leave room for one in the built-in 8-turn budget. With ``restart`` they call
-``restart`` after the FAIL instead, and the demonstration ends there, as it ends at ``submit``:
-the environment then starts the task over in a fresh context, and what follows is a first try
-like any other (the ``correct``/``checked`` demonstrations show it)."""
+turns per try leave room for one in the built-in 8-turn budget."""
 
 
 @dataclass(frozen=True)
@@ -240,8 +237,7 @@ def _edit(path: str | None, line: int | None, before: str, after: str,
 
 def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random, *,
                        line_edits: bool = False, implicit_path: bool = False,
-                       undo: bool = False,
-                       restart: bool = False) -> Demonstration:
+                       undo: bool = False) -> Demonstration:
     """Play one scripted attempt in ``env`` (a ``CodingEnv``); submit is not stepped (its
     observation is never shown to the policy, and verification would only cost time).
 
@@ -250,9 +246,7 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
     ``view_file`` and ``replace`` leave out ``path`` and act on the environment's open file
     (the task's first editable file, which is the one with the bug in the built-in suite).
     ``undo``: after a wrong edit's FAIL, ``recovery`` and ``search`` call ``undo`` and make the
-    next edit on the original line (otherwise they edit the wrong version). ``restart`` (which
-    wins over ``undo``): after a wrong try's FAIL they call ``restart``, which ends this context;
-    the demonstration stops there (the environment is not stepped, as for ``submit``).
+    next edit on the original line (otherwise they edit the wrong version).
     Every demonstration submits at its first PASS: a wrong try that the visible tests happen
     to pass is submitted, as a demonstrator who cannot tell would."""
     if line_edits:
@@ -275,9 +269,6 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
         found = minimal_edit(bad, good)[0] if line is not None else bad
         actions += [edit(bad, good, old=misremembered_old(bad, found, rng)), edit(bad, good),
                     _call("run_tests")]
-    elif kind in ("search", "recovery") and restart:
-        wrong_try = search_candidates(bad, good, rng, most=1)[0] if kind == "search" else wrong
-        actions += [edit(bad, wrong_try), _call("run_tests"), _call("restart")]
     elif kind == "search":
         current = bad
         # With undo a wrong try costs three turns: one of them fits the built-in 8-turn budget.
@@ -305,9 +296,6 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
     for action in actions:
         if turns and turns[-1][1] == "PASS":
             break  # a wrong try passed the visible tests: the demonstrator submits it
-        if action == _call("restart"):
-            turns.append((action, None))
-            return Demonstration(task.id, kind, str(first), tuple(turns))
         observation, _, terminated, truncated, info = env.step(action)
         if terminated or truncated or info.get("tool_error"):
             raise ValueError(f"task {task.id}: demonstration step {action!r} ended the episode")
@@ -321,7 +309,7 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                         check_fraction: float, seed: int, line_edits: bool = False,
                         implicit_path: bool = False, retry_fraction: float = 0.0,
                         search_fraction: float = 0.0,
-                        undo: bool = False, restart: bool = False) -> list[Demonstration]:
+                        undo: bool = False) -> list[Demonstration]:
     """``demos_per_task`` demonstrations of each task, kinds drawn from the fractions."""
     rng = random.Random(seed)
     env = make_env()
@@ -332,8 +320,7 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                 kind = plan_kind(rng, wrong_fraction, recovery_fraction, check_fraction,
                                  retry_fraction, search_fraction)
                 demos.append(play_demonstration(task, kind, env, rng, line_edits=line_edits,
-                                                implicit_path=implicit_path, undo=undo,
-                                                restart=restart))
+                                                implicit_path=implicit_path, undo=undo))
     finally:
         env.close()
     return demos
