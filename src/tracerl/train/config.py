@@ -203,12 +203,6 @@ class RolloutConfig:
     training rollouts and to every evaluation of the run (and is recorded beside saved
     policies, so ``tracerl eval`` decodes them the same way); the behavior logprob is the
     masked distribution's, the PPO ratio's old policy the unmasked one (``mismatch.*``)."""
-    constrain_new: bool = False
-    """Constrained decoding of ``replace``'s ``new`` (``rollout.constraints``): every name it
-    completes is one the open file holds or a Python keyword (monitor-guided decoding's names
-    in scope; a builtin the file does not use cannot be written), and it is never closed
-    equal to the call's ``old``; numbers, operators and spacing stay free. Applies to training rollouts and every evaluation, and
-    is recorded beside saved policies like ``constrain_edits``, with the same accounting."""
     constrain_calls: bool = False
     """Grammar-constrained tool calls (``rollout.grammar``): the sampler only draws tokens
     that keep an action one well-formed call of one of the environment's tools, as serving

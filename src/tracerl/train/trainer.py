@@ -360,8 +360,7 @@ class Trainer:
             max_concurrent=rollout.concurrency, max_batch_size=rollout.concurrency,
             env_workers=rollout.env_workers, seed=seed, system_prompt=rollout.system_prompt,
             tools=tools, compaction=compaction, handle_signals=False,
-            constrain_edits=rollout.constrain_edits, constrain_calls=rollout.constrain_calls,
-            constrain_new=rollout.constrain_new)
+            constrain_edits=rollout.constrain_edits, constrain_calls=rollout.constrain_calls)
         policy: Any = self.policy  # HFPolicy satisfies the collector's SamplingPolicy
         return Collector(policy, self.make_env_factory(tasks), store, config)
 
@@ -718,8 +717,7 @@ class Trainer:
         return conversation_json(tool_schemas_in_prompt=rollout.show_tool_schemas,
                                  system_prompt=rollout.system_prompt,
                                  constrain_edits=rollout.constrain_edits,
-                                 constrain_calls=rollout.constrain_calls,
-                                 constrain_new=rollout.constrain_new)
+                                 constrain_calls=rollout.constrain_calls)
 
     def final_checkpoint(self) -> Path:
         """The checkpoint of the last completed step, written now if it is not there yet."""
@@ -738,8 +736,7 @@ class Trainer:
         write_conversation(directory, tool_schemas_in_prompt=rollout.show_tool_schemas,
                            system_prompt=rollout.system_prompt,
                            constrain_edits=rollout.constrain_edits,
-                           constrain_calls=rollout.constrain_calls,
-                           constrain_new=rollout.constrain_new)
+                           constrain_calls=rollout.constrain_calls)
         return directory
 
     # -- the weight average (update.ema_decay) -------------------------------------------------
