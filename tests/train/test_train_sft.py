@@ -225,30 +225,6 @@ def test_fresh_names_are_words_that_cannot_clash() -> None:
         assert name not in sys.stdlib_module_names
 
 
-def test_demonstrations_can_cover_fewer_tasks_than_rl_trains_on(tmp_path) -> None:
-    """``sft.task_count``: demonstrations of the first N original train tasks only; RL keeps
-    every train task (renamed copies included)."""
-    from tracerl.train.config import config_from_dict
-    from tracerl.train.trainer import Trainer
-
-    config = config_from_dict({
-        "run_dir": str(tmp_path / "run"), "threads": 1, "tensorboard": False, "progress": False,
-        "model": {"vocab_size": 400, "hidden_size": 16, "num_layers": 1, "num_heads": 2,
-                  "intermediate_size": 32},
-        "tasks": {"train_count": 6, "renamed_copies": 1, "heldout_count": 2},
-        "sft": {"enabled": True, "demos_per_task": 2, "task_count": 3},
-        "rollout": {"show_tool_schemas": False},
-    })
-    trainer = Trainer(config)
-    trainer.setup()
-    assert len(trainer.train_tasks) == 12
-    originals = [t.id for t in generate_split("train", count=3)]
-    demos = trainer.demonstrations()
-    assert len(demos) == 6 and sorted({d.task_id for d in demos}) == sorted(originals)
-    with pytest.raises(ValueError, match=r"sft\.task_count"):
-        config_from_dict({"sft": {"task_count": 0}})
-
-
 def _tries(count: int, seed: int) -> Iterator[tuple[Task, Demonstration]]:
     """``recovery`` and ``search`` demonstrations (with ``undo``) of ``count`` train tasks."""
     tasks = generate_split("train", 0, count, composed=True)

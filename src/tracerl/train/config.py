@@ -126,10 +126,6 @@ class SFTConfig:
     buggy part of the line, each followed by a FAIL test run, then the right one, PASS,
     submit. Unlike ``recovery`` (whose second edit needs the same knowledge as a right first
     edit), the second try only has to change what the first try changed."""
-    task_count: int | None = None
-    """Demonstrate only the first this many original train tasks (None: every train task,
-    renamed copies included). RL still trains on all of them, so most tasks RL sees are new
-    to the policy, as in practice: demonstrations are costly, verifiable tasks are cheap."""
     observation_weight: float = 0.0
     """Weight of a side loss on the context tokens (task statement, tool outputs), relative to
     the action loss; 0 trains on actions only. The demo uses it: a tiny model learns to copy
@@ -636,8 +632,6 @@ def validate(config: TrainConfig) -> None:
     if config.max_generated_tokens is not None and config.max_generated_tokens < 1:
         raise ValueError(f"max_generated_tokens: must be >= 1 or null, "
                          f"got {config.max_generated_tokens}")
-    if config.sft.task_count is not None and config.sft.task_count < 1:
-        raise ValueError(f"sft.task_count: must be >= 1 or null, got {config.sft.task_count}")
     if config.update.kl_clamp is not None and not config.update.kl_clamp > 0:
         raise ValueError(f"update.kl_clamp: must be > 0 or null, got {config.update.kl_clamp}")
     if u.ema_decay is not None and not 0.0 <= u.ema_decay < 1.0:

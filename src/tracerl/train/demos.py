@@ -59,15 +59,12 @@ class DemonstrationSet:
         self._sequences = None
 
     def demonstrations(self) -> list[Demonstration]:
-        """The (imperfect) demonstrations: ``sft.demos_per_task`` of each shown task."""
+        """The (imperfect) demonstrations: ``sft.demos_per_task`` of each train task."""
         if self._demos is None:
             sft = self.config.sft
-            shown = self.tasks
-            if sft.task_count is not None:
-                shown = [t for t in self.tasks if not is_renamed(t.id)][: sft.task_count]
             # Scripted attempts are not held to the rollout's turn budget (the longest script
             # has 8 actions; a short budget is a constraint on the policy, not the teacher).
-            shown = [dataclasses.replace(t, budget=None) for t in shown]
+            shown = [dataclasses.replace(t, budget=None) for t in self.tasks]
             self._demos = make_demonstrations(
                 shown, lambda: CodingEnv(shown, sandbox=self.sandbox, max_turns=SCRIPT_TURNS),
                 demos_per_task=sft.demos_per_task, wrong_fraction=sft.wrong_edit_fraction,
