@@ -51,7 +51,7 @@ from tracerl.trace.columnar import (
     records_to_table,
     table_to_token_batch,
 )
-from tracerl.trace.schema import ROLES, Attempt, Role, check_attempt
+from tracerl.trace.schema import Attempt, check_attempt
 
 MAGIC = b"TRL\x01"
 _FRAME = struct.Struct("<4sIII")  # magic, payload length, payload crc32, frame crc32
@@ -625,8 +625,3 @@ def read_attempt(directory: str | os.PathLike[str], attempt_id: str) -> Attempt:
         if record.header["id"] == attempt_id:
             return decode_attempt(record.header, record.layout, record.tokens, record.logprobs)
     raise ValueError(f"attempt_id: {attempt_id!r} is not in {directory}")
-
-
-def role_of_code(code: int) -> Role | None:
-    """The role a ``token_roles`` code stands for (None for -1: continuation ids)."""
-    return None if code < 0 else ROLES[code]

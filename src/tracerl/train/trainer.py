@@ -73,8 +73,6 @@ Hook = Callable[[str, "Trainer"], None]
 """Called after every phase with its name (``collect``, ``verify``, ``advantages``, ``update``,
 ``evaluate``, ``checkpoint``, ``sft``) and the trainer."""
 
-PHASES = ("collect", "verify", "advantages", "update", "evaluate", "checkpoint")
-"""The loop's phases, in order."""
 
 class Trainer:
     """One run of :class:`TrainConfig` (see the module docstring)."""
