@@ -285,7 +285,7 @@ def test_a_checkpoint_is_evaluated_with_the_conversation_format_it_was_trained_o
     trained = tmp_path / "trained"
     shutil.copytree(policy_dir, trained)
     write_conversation(trained, tool_schemas_in_prompt=False, system_prompt="Fix it.",
-                       constrain_edits=True, constrain_calls=True, constrain_new=True)
+                       constrain_edits=True, constrain_calls=True)
     tasks = list(load_tasks(task_file))[:1]
     settings = EvalSettings(samples=1, temperature=1.0, max_turns=1,
                             max_new_tokens_per_turn=4, max_new_tokens=16)
@@ -300,7 +300,7 @@ def test_a_checkpoint_is_evaluated_with_the_conversation_format_it_was_trained_o
     assert "Tools:" in prompts["plain"] and "view_file" in prompts["plain"]
     assert "Tools:" not in prompts["trained"] and "Fix it." in prompts["trained"]
     # Its edits are decoded under the rule it was trained with.
-    assert rules == {"plain": None, "trained": "tool_call+edit_old+edit_new"}
+    assert rules == {"plain": None, "trained": "tool_call+edit_old"}
 
 
 def test_each_task_keeps_its_own_turn_budget_unless_a_cap_is_given(

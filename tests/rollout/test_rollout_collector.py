@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import re
 import shutil
 import signal
 import threading
@@ -360,24 +359,6 @@ def test_constrain_edits_gives_each_turn_the_open_files_rule_and_records_it(
     assert seen and all(rule is None for rule in seen)
     assert all(s.sampling.constraint is None for f in plain.attempts[0].fragments
                for t in f.turns for s in t.segments if s.role is Role.ACTION)
-
-
-def test_constrain_new_gives_each_turn_the_open_files_names_and_records_them(
-        toy: RecordingPolicy, tasks: list[Any], sandbox: Sandbox, tmp_path: Path) -> None:
-    from tracerl.rollout.decoding.constraints import NewTextConstraint
-
-    with _rules_seen(toy) as seen, TraceStore(tmp_path / "store") as store:
-        result = _collector(toy, tasks[:1], sandbox, store, constrain_new=True,
-                            max_turns=3).collect(tasks[:1], 2, run_id="n")
-    assert len(seen) >= 2 and all(isinstance(rule, NewTextConstraint) for rule in seen)
-    # One scope (names and mask cache) per file text, shared by the turns that see it.
-    assert len({id(rule.scope) for rule in seen}) == 1
-    assert {"return"} <= seen[0].scope.names
-    path = next(p for p in tasks[0].files if not p.startswith("test_"))
-    assert set(re.findall(r"[A-Za-z_]\w*", tasks[0].files[path])) <= seen[0].scope.names
-    actions = [s for a in result.attempts for f in a.fragments for t in f.turns
-               for s in t.segments if s.role is Role.ACTION]
-    assert actions and all(s.sampling.constraint == "edit_new" for s in actions)
 
 
 def test_constrain_calls_with_edits_gives_each_turn_both_rules_and_records_them(

@@ -10,14 +10,7 @@ import torch
 
 from tracerl.models.tiny import render_tool_call
 from tracerl.rollout import HFPolicy, SamplingParams, sequence_logprobs
-from tracerl.rollout.decoding.constraints import (
-    PYTHON_NAMES,
-    EditConstraint,
-    NameScope,
-    NewTextConstraint,
-    VocabularyTexts,
-    open_string,
-)
+from tracerl.rollout.decoding.constraints import EditConstraint, VocabularyTexts, open_string
 
 FILE = "def limit(x, top):\n    if x > top:\n        return top\n    return x - 1\n"
 CORPUS = [
@@ -184,99 +177,3 @@ def test_collector_refuses_the_rule_for_a_policy_that_cannot_apply_it() -> None:
     with pytest.raises(ValueError, match="constrain_edits: _ServedPolicy applies no decoding"):
         Collector(_ServedPolicy(), lambda: None, None,  # type: ignore[arg-type]
                   CollectorConfig(constrain_edits=True))
-    with pytest.raises(ValueError, match="constrain_new: _ServedPolicy applies no decoding"):
-        Collector(_ServedPolicy(), lambda: None, None,  # type: ignore[arg-type]
-                  CollectorConfig(constrain_new=True))
-
-
-NEW = '<tool_call>{"name": "replace", "arguments": {"line": 4, "old": "x - 1", "new": "'
-
-
-def _heads(vocabulary: VocabularyTexts, mask: torch.Tensor) -> set[str]:
-    """The allowed tokens' texts as the rule reads them (special tokens left out)."""
-    return {vocabulary.heads[i] + ('"' if vocabulary.quoted[i] else "")
-            for i in mask.nonzero().flatten().tolist() if vocabulary.heads[i] != "\0"}
-
-
-def _words(text: str) -> list[str]:
-    import re
-
-    return re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text)
-
-
-def test_new_completes_only_names_the_file_has(policy: HFPolicy,
-                                               vocabulary: VocabularyTexts) -> None:
-    scope = NameScope(vocabulary, FILE)
-    assert {"limit", "x", "top", "return", "if", "None", "not"} <= scope.names
-    assert "len" not in scope.names  # a builtin the file does not use
-    rule = NewTextConstraint(scope)
-    assert rule.allowed(NEW[:NEW.index("x - 1") + 2]) is None  # in `old`: not this rule's
-    assert rule.allowed(NEW + 'x + 1", ') is None  # closed
-    for written in ("", "x + ", "to", "top - "):
-        mask = rule.allowed(NEW + written)
-        assert mask is not None
-        for token in _heads(vocabulary, mask):
-            text = written + token
-            closed = '"' in text
-            words = _words(text.split('"')[0])
-            open_word = not closed and (text[-1:].isalnum() or text[-1:] == "_")
-            complete = words[:-1] if open_word else words
-            assert all(w in scope.names for w in complete), (written, token)
-            assert all(any(n.startswith(w) for n in scope.names) for w in words), (written, token)
-    # A word no name starts with cannot be continued at all: the rule says nothing then.
-    assert rule.allowed(NEW + "qz") is None
-    # "to" is only a prefix (of "top"): it may not be closed or followed by a space.
-    mask = rule.allowed(NEW + "to")
-    assert mask is not None
-    assert not any(t.startswith(('"', " ")) for t in _heads(vocabulary, mask))
-    # Numbers and escapes are free: the rule is about names.
-    assert bool(rule.allowed(NEW + "x + 10").any())  # type: ignore[union-attr]
-    assert rule.allowed(NEW + "a\\") is None  # inside an escape
-
-
-def test_new_is_never_closed_equal_to_old(policy: HFPolicy,
-                                          vocabulary: VocabularyTexts) -> None:
-    rule = NewTextConstraint(NameScope(vocabulary, FILE))
-    same = rule.allowed(NEW + "x - 1")
-    other = rule.allowed(NEW + "x - 2")
-    assert same is not None and other is not None
-    assert not any(t.startswith('"') for t in _heads(vocabulary, same))
-    assert any(t.startswith('"') for t in _heads(vocabulary, other))
-
-
-def test_sampler_under_the_new_rule_writes_names_in_scope(policy: HFPolicy,
-                                                          vocabulary: VocabularyTexts) -> None:
-    prompt = policy.tokenizer.encode(NEW, add_special_tokens=False)
-    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=0)
-    scope = NameScope(vocabulary, FILE)
-    rules = [_Started(NewTextConstraint(scope), NEW) for _ in range(16)]  # type: ignore[arg-type]
-    completions = policy.generate([prompt] * 16, params, row_seeds=list(range(16)),
-                                  constraints=rules)
-    closed = 0
-    for completion in completions:
-        if '"' not in completion.text:
-            continue
-        closed += 1
-        new = completion.text.split('"', 1)[0]
-        assert new != "x - 1"
-        assert all(w in scope.names for w in _words(new)), completion.text
-    assert closed > 0
-    assert "lambda" in PYTHON_NAMES and "print" not in PYTHON_NAMES
-
-
-def test_every_fix_of_the_built_in_suite_is_writable_under_the_new_rule(
-        vocabulary: VocabularyTexts) -> None:
-    """The rule never rules out a suite task's fix: its changed lines use only names its buggy
-    file has, or keywords (the scope is the names, whatever the vocabulary)."""
-    from tracerl.envs.suite import generate_split
-
-    tasks = (generate_split("heldout") + generate_split("train")
-             + generate_split("train", count=400, composed=True))
-    for task in tasks:
-        assert task.solution is not None
-        for path, fixed in task.solution.items():
-            scope = NameScope(vocabulary, task.files[path])
-            before = set(task.files[path].splitlines())
-            changed = [line for line in fixed.splitlines() if line not in before]
-            assert changed, task.id
-            assert all(w in scope.names for line in changed for w in _words(line)), task.id

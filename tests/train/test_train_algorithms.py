@@ -107,19 +107,6 @@ def test_rloo_and_dr_grpo() -> None:
     assert centred[batch.action_mask].tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
 
 
-def test_negative_scale_shrinks_only_negative_advantages() -> None:
-    attempts = [attempt(str(i), "t", r, [[5]]) for i, r in enumerate([1.0, 0.0, 0.0, 0.0])]
-    batch = batch_of(attempts)
-    scaled = compute_advantages(AdvantageInputs(batch, batch.token_rewards),
-                                AlgorithmConfig(estimator="grpo", scale="none",
-                                                negative_scale=0.2)).advantages
-    assert scaled[batch.action_mask].tolist() == pytest.approx([0.75, -0.05, -0.05, -0.05])
-    from tracerl.train.config import config_from_dict
-
-    with pytest.raises(ValueError, match=r"algorithm\.negative_scale"):
-        config_from_dict({"algorithm": {"negative_scale": 1.5}})
-
-
 def test_process_rewards_are_group_normalised_and_summed_to_go() -> None:
     attempts = [attempt("a", "t", 1.0, [[5], [6]], process=[1.0, None]),
                 attempt("b", "t", 0.0, [[5], [6]], process=[0.0, None])]

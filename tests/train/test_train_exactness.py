@@ -54,8 +54,6 @@ CONFIGS = [
     (UpdateConfig(micro_batch_rows=100, loss_mode="task_mean", loss_level="sequence"), "none"),
     (UpdateConfig(micro_batch_rows=100, loss_mode="sequence_mean"), "value_head"),
     (UpdateConfig(micro_batch_rows=100, loss_mode="token_mean"), "separate"),
-    (UpdateConfig(micro_batch_rows=100, loss_mode="sequence_mean", positive_nll_coef=0.5),
-     "none"),
 ]
 
 
@@ -71,24 +69,6 @@ def test_micro_batches_equal_full_batch(config: UpdateConfig, critic_kind: str) 
         step(model, batch, UpdateConfig(**{**config.__dict__, "micro_batch_rows": micro}), critic)
         assert torch.allclose(params(model), params(full), atol=1e-6, rtol=0)
     assert not torch.allclose(params(split), params(full), atol=1e-6, rtol=0)
-
-
-def test_positive_nll_adds_minus_log_pi_on_positive_advantage_tokens_only() -> None:
-    from tracerl.train.update import token_loss
-
-    model, critic = make_model(), CriticConfig()
-    batch = freeze_old(model, make_batch(), micro_batch_rows=4)
-    plain, _ = token_loss(model, batch, UpdateConfig(), critic)
-    extra, metrics = token_loss(model, batch, UpdateConfig(positive_nll_coef=0.5), critic)
-    logprobs, _, _ = model.evaluate(batch.input_ids, batch.attention_mask, need_values=False,
-                                    need_entropy=False, needed=batch.action_mask)
-    positive = (batch.advantages > 0) & batch.action_mask
-    assert 0 < int(positive.sum()) < int(batch.action_mask.sum())
-    expected = plain - 0.5 * logprobs * positive.double()
-    assert torch.allclose(extra, expected, atol=1e-12)
-    assert torch.equal(extra[~positive], plain[~positive])
-    assert metrics["update/positive_token_fraction"] == pytest.approx(
-        float(positive.sum() / batch.action_mask.sum()))
 
 
 def demonstration_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

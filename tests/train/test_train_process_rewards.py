@@ -1,10 +1,8 @@
-"""Process rewards read from the tools' answers: passing test runs, and edits that applied."""
+"""Process rewards read from the tools' answers: passing test runs."""
 
 from __future__ import annotations
 
 from pathlib import Path
-
-import pytest
 
 from tracerl.envs.suite.demonstrator import bug_location, minimal_edit
 from tracerl.envs.tasks import Task
@@ -29,20 +27,16 @@ def _script(task: Task) -> list[str]:
             render_tool_call("submit", {})]
 
 
-@pytest.mark.parametrize(("process", "edits", "expected"), [
-    (False, True, [None, 0.0, 0.0, 0.5, 0.0, None, None]),
-    (True, True, [None, 0.0, 0.0, 0.5, 0.0, 0.5, None]),
-    (True, False, [None, None, None, None, None, 0.5, None]),
-])
-def test_edit_and_test_rewards_per_turn(tmp_path: Path, process: bool, edits: bool,
-                                        expected: list[float | None]) -> None:
+def test_test_run_rewards_per_turn(tmp_path: Path) -> None:
+    """Only the turn that ran the visible tests (and saw PASS) gets a process reward; the edits
+    (one not applied, one changing nothing, the fix) and the malformed call get none."""
     config = config_from_dict({
         "run_dir": str(tmp_path / "run"), "threads": 1, "tensorboard": False, "progress": False,
         "model": {"vocab_size": 400, "hidden_size": 16, "num_layers": 1, "num_heads": 2,
                   "intermediate_size": 32},
         "tasks": {"train_count": 2, "heldout_count": 1},
-        "rollout": {"show_tool_schemas": False, "process_reward": process,
-                    "edit_reward": edits, "process_reward_coef": 0.5},
+        "rollout": {"show_tool_schemas": False, "process_reward": True,
+                    "process_reward_coef": 0.5},
     })
     trainer = Trainer(config)
     trainer.setup()
@@ -55,4 +49,4 @@ def test_edit_and_test_rewards_per_turn(tmp_path: Path, process: bool, edits: bo
     assert attempt.reward == 1.0  # the fix passes the hidden tests
     rewarded = trainer._with_process_rewards(attempt)
     turns = [t for fragment in rewarded.fragments for t in fragment.turns]
-    assert [t.process_reward for t in turns] == expected
+    assert [t.process_reward for t in turns] == [None, None, None, None, None, 0.5, None]

@@ -8,7 +8,6 @@ dtype allows) and the result is converted back to the caller's kind on the way o
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -117,8 +116,3 @@ def restore(tensor: torch.Tensor, kind: Kind) -> Any:
     if kind == "ndarray":
         return data.numpy()
     return data.tolist()
-
-
-def to_float_list(values: Sequence[float] | torch.Tensor | np.ndarray) -> list[float]:
-    """Flatten a 1-D container of numbers into a list of Python floats."""
-    return [float(v) for v in torch.as_tensor(np.asarray(values, dtype=np.float64)).tolist()]

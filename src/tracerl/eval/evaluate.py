@@ -194,8 +194,7 @@ def collect_attempts(policy: Any, tasks: Sequence[Task], settings: EvalSettings,
         tools=None if conversation.get("tool_schemas_in_prompt", True) else (),
         system_prompt=conversation.get("system_prompt"),
         constrain_edits=bool(conversation.get("constrain_edits", False)),
-        constrain_calls=bool(conversation.get("constrain_calls", False)),
-        constrain_new=bool(conversation.get("constrain_new", False)))
+        constrain_calls=bool(conversation.get("constrain_calls", False)))
     store = TraceStore(store_dir) if store_dir is not None else None
     started = time.perf_counter()
     try:

@@ -176,14 +176,6 @@ def number(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def first_key(record: Mapping[str, Any], names: Sequence[str]) -> str | None:
-    """The first of ``names`` present in ``record`` with a numeric value."""
-    for name in names:
-        if number(record.get(name)) is not None:
-            return name
-    return None
-
-
 def series(metrics: Sequence[Mapping[str, Any]], names: Sequence[str]
            ) -> tuple[str, list[float], list[float]] | None:
     """(key, steps, values) of the first alias in ``names`` that any record has, else None.

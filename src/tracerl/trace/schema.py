@@ -367,16 +367,6 @@ class Attempt:
         return self.fragments[-1].end
 
 
-def iter_segments(attempt: Attempt) -> list[tuple[int, int, Segment]]:
-    """(fragment index, turn index within fragment, segment) for every segment, in order."""
-    return [
-        (f, t, seg)
-        for f, fragment in enumerate(attempt.fragments)
-        for t, turn in enumerate(fragment.turns)
-        for seg in turn.segments
-    ]
-
-
 def check_attempt(attempt: Attempt, *, check_values: bool = True) -> list[str]:
     """Every broken invariant of an attempt, as 'rule: detail' messages (empty if valid).
 

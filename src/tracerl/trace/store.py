@@ -57,7 +57,7 @@ from tracerl.trace.reading import (
     read_token_batches,
     scan_store,
 )
-from tracerl.trace.schema import ROLES, Attempt, Role, check_attempt
+from tracerl.trace.schema import Attempt, check_attempt
 from tracerl.trace.segments import (
     _LOG,
     _SEGMENT,
@@ -80,7 +80,7 @@ from tracerl.trace.segments import (
 __all__ = [
     "COMPRESSIONS", "MAGIC", "MANIFEST", "SEGMENTS_DIR", "Compression", "Damage", "Quarantined",
     "SegmentDamage", "StoreScan", "TraceStore", "TraceStoreWarning", "encode_record",
-    "read_attempt", "read_attempts", "read_table", "read_token_batches", "role_of_code",
+    "read_attempt", "read_attempts", "read_table", "read_token_batches",
     "scan_log", "scan_store",
 ]
 
@@ -416,6 +416,3 @@ class TraceStore:
             self._lock.close()
 
 
-def role_of_code(code: int) -> Role | None:
-    """The role a ``token_roles`` code stands for (None for -1: continuation ids)."""
-    return None if code < 0 else ROLES[code]

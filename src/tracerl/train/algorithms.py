@@ -101,8 +101,6 @@ def compute_advantages(inputs: AdvantageInputs, config: AlgorithmConfig) -> Adva
     advantages = result.advantages
     if config.whiten and bool(mask.any()):
         advantages = whiten(advantages, mask)
-    if config.negative_scale != 1.0:
-        advantages = torch.where(advantages < 0, advantages * config.negative_scale, advantages)
     metrics = dict(result.metrics)
     if bool(mask.any()):
         values = advantages[mask]

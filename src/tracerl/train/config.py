@@ -84,15 +84,6 @@ class TasksConfig:
     renamed_copies: int = 0
     """Renamed copies of each train task (function and module given fresh names), so a small
     policy learns to copy names from what it reads instead of memorising the suite's."""
-    fresh_locals: bool = False
-    """Renamed copies also give the module's local variables fresh names
-    (``envs.suite.augment.fresh_local_names``): a local the fix must return is then read, not
-    recalled."""
-    rl_count: int = 0
-    """Built-in train tasks made for RL only (with their renamed copies), after the
-    ``train_count`` the demonstrations come from. When above 0, RL draws only from these: the
-    warm start never saw them, so RL's reward measures what transfers rather than what was
-    memorised. 0: RL trains on the demonstrated tasks. Refused with ``train_file``."""
 
 
 @dataclass(frozen=True)
@@ -134,10 +125,6 @@ class SFTConfig:
     buggy part of the line, each followed by a FAIL test run, then the right one, PASS,
     submit. Unlike ``recovery`` (whose second edit needs the same knowledge as a right first
     edit), the second try only has to change what the first try changed."""
-    task_count: int | None = None
-    """Demonstrate only the first this many original train tasks (None: every train task,
-    renamed copies included). RL still trains on all of them, so most tasks RL sees are new
-    to the policy, as in practice: demonstrations are costly, verifiable tasks are cheap."""
     observation_weight: float = 0.0
     """Weight of a side loss on the context tokens (task statement, tool outputs), relative to
     the action loss; 0 trains on actions only. The demo uses it: a tiny model learns to copy
@@ -146,11 +133,6 @@ class SFTConfig:
     """Probability that a demonstration, each time it is drawn for a batch, is renamed with a
     freshly drawn function/module name (see ``envs.suite.augment``): the policy must then copy the
     name it reads, as it will have to on held-out tasks, instead of recalling it."""
-    fresh_locals: float = 0.0
-    """Probability that a demonstration, each time it is drawn, also has its task's local
-    variables renamed with freshly drawn names (``envs.suite.augment.fresh_local_names``): the
-    composed templates fix one set of locals per body, which a small policy otherwise
-    recalls instead of copying."""
     implicit_path: bool = False
     """Demonstrations call ``view_file`` and ``replace`` without ``path``, relying on the
     environment's open file (see ``CodingEnv.open_file``): names need not be typed at all."""
@@ -158,24 +140,10 @@ class SFTConfig:
     """Demonstrations edit with ``replace`` scoped to one line (``line``, and ``old``/``new`` as
     short as the change): a small model then copies a line number and one operator instead of
     a whole line of code. False: ``old`` is the whole (stripped) buggy line."""
-    whole_line: bool = False
-    """With ``line_edits``: demonstrations rewrite the bug's line (``replace`` with ``line`` and
-    ``new``, no ``old``; the tool keeps the indentation). The policy then retypes the line it
-    reads, changing it where the bug is, instead of locating and copying a fragment of it."""
-    edit_anchor: int = 0
-    """With ``line_edits``: ``old`` and ``new`` also hold this many words or symbols of the
-    line before the change (``"x >"`` to ``"x >="`` with 1, ``">"`` to ``">="`` with 0), so
-    that the policy locates the change by what precedes it and then copies, instead of
-    producing the changed token with nothing in the line to copy it from."""
     undo: bool = False
     """``recovery`` and ``search`` demonstrations call ``undo`` after a wrong edit's FAIL, so
     every try is made on the line as the task gave it (one text to copy from, the first
     view); off: the next edit changes the wrong version."""
-    restart: bool = False
-    """``recovery`` and ``search`` demonstrations call ``restart`` after a wrong try's FAIL
-    (instead of ``undo``): the files go back as the task gave them and the attempt goes on in
-    a fresh context, so the next try is a new sample rather than a copy of the failed one.
-    Each such demonstration ends at the ``restart`` (what follows is an ordinary first try)."""
 
 
 @dataclass(frozen=True)
@@ -230,12 +198,6 @@ class RolloutConfig:
     training rollouts and to every evaluation of the run (and is recorded beside saved
     policies, so ``tracerl eval`` decodes them the same way); the behavior logprob is the
     masked distribution's, the PPO ratio's old policy the unmasked one (``mismatch.*``)."""
-    constrain_new: bool = False
-    """Constrained decoding of ``replace``'s ``new`` (``rollout.decoding.constraints``): every name it
-    completes is one the open file holds or a Python keyword (monitor-guided decoding's names
-    in scope; a builtin the file does not use cannot be written), and it is never closed
-    equal to the call's ``old``; numbers, operators and spacing stay free. Applies to training rollouts and every evaluation, and
-    is recorded beside saved policies like ``constrain_edits``, with the same accounting."""
     constrain_calls: bool = False
     """Grammar-constrained tool calls (``rollout.decoding.grammar``): the sampler only draws tokens
     that keep an action one well-formed call of one of the environment's tools, as serving
@@ -250,14 +212,6 @@ class RolloutConfig:
     default: it rewards what the visible tests measure, a possible source of bias."""
     process_reward_coef: float = 0.1
     """Scale of the process reward."""
-    edit_reward: bool = False
-    """Give each turn a process reward for its tool call: a ``replace`` that the tool applied
-    (and that changed the line) ``coef``, a ``replace`` it refused (``old text not found``) or
-    a malformed call 0. It credits the turn that typed an ``old`` not in the line, which the
-    outcome alone credits only through the whole attempt (an attempt that fixes the bug after
-    three edits that did not apply rewards those three too). Off by default: it rewards edits
-    that apply, whether or not they fix anything (a possible source of bias; the outcome still
-    decides what fixes). With ``gamma`` 0 each turn gets its own reward only."""
 
 
 @dataclass(frozen=True)
@@ -300,13 +254,6 @@ class AlgorithmConfig:
     """GAE trace decay λ."""
     whiten: bool = False
     """Whiten advantages over the batch's action tokens."""
-    negative_scale: float = 1.0
-    """Multiply negative advantages by this (after whitening); 1: the estimator's advantages.
-    Below 1 the update leans on reinforcing what succeeded over pushing down what failed: a
-    pushed-down token's probability goes to the others, so negative updates keep (or raise)
-    the policy's entropy and positive ones sharpen it, raising success at a fixed sampling
-    temperature at some cost to pass@k (Zhu et al. 2025 separate the two effects). A group's
-    advantages then no longer sum to zero."""
     step_weight: float = 1.0
     """GiGPO: weight of the step-group advantage added to the episode advantage."""
     step_key: Literal["context", "observation"] = "context"
@@ -366,18 +313,6 @@ class UpdateConfig:
     diverse), below 0 a penalty (entropy minimisation: the policy sharpens toward what it
     already prefers, so its samples at a fixed temperature come closer to its greedy
     decoding). 0: off."""
-    edit_text_weight: float = 1.0
-    """Weight of the policy-gradient and entropy terms on the action tokens that are an edit's
-    text (``replace``'s ``old``/``new``, ``write_file``'s ``content``: ``train.edit_text``), against 1 on
-    every other action token (which tool, which line, when to stop). Below 1, RL moves the
-    decisions more than the fixes; 0 leaves the fixes to the warm start (the KL to the
-    reference still acts on them). 1: every action token alike."""
-    positive_nll_coef: float = 0.0
-    """Weight of an extra likelihood term, ``-coef * log pi``, on the action tokens whose
-    advantage is above 0: behaviour cloning of the policy's own better-than-its-group
-    attempts (filtered, as in expert iteration), unclipped, so it keeps sharpening the tokens
-    that PPO's clip stops moving within a step. Weighted like the policy loss (the same
-    ``loss_mode`` denominators), so micro-batching and ranks leave it unchanged. 0: off."""
     sft_coef: float = 0.0
     """Weight of the warm start's supervised loss mixed into every optimizer step of RL, on a
     fresh batch of ``sft.batch_size`` demonstrations of the train split (drawn as the warm
@@ -663,15 +598,6 @@ def validate(config: TrainConfig) -> None:
     if config.update.sft_coef > 0 and not config.sft.enabled:
         raise ValueError("update.sft_coef: mixes the warm start's demonstrations into RL, "
                          "so it needs sft.enabled: true")
-    if not config.update.edit_text_weight >= 0.0:
-        raise ValueError(f"update.edit_text_weight: must be >= 0, "
-                         f"got {config.update.edit_text_weight}")
-    if not config.update.positive_nll_coef >= 0.0:
-        raise ValueError(f"update.positive_nll_coef: must be >= 0, "
-                         f"got {config.update.positive_nll_coef}")
-    if not 0.0 <= config.sft.fresh_locals <= 1.0:
-        raise ValueError(f"sft.fresh_locals: must be a probability in [0, 1], "
-                         f"got {config.sft.fresh_locals}")
     if not config.sft.observation_weight >= 0.0:
         raise ValueError(f"sft.observation_weight: must be >= 0, "
                          f"got {config.sft.observation_weight}")
@@ -682,22 +608,12 @@ def validate(config: TrainConfig) -> None:
     if config.max_generated_tokens is not None and config.max_generated_tokens < 1:
         raise ValueError(f"max_generated_tokens: must be >= 1 or null, "
                          f"got {config.max_generated_tokens}")
-    if config.sft.task_count is not None and config.sft.task_count < 1:
-        raise ValueError(f"sft.task_count: must be >= 1 or null, got {config.sft.task_count}")
     if config.update.kl_clamp is not None and not config.update.kl_clamp > 0:
         raise ValueError(f"update.kl_clamp: must be > 0 or null, got {config.update.kl_clamp}")
-    if not 0.0 <= config.algorithm.negative_scale <= 1.0:
-        raise ValueError(f"algorithm.negative_scale: must be in [0, 1], "
-                         f"got {config.algorithm.negative_scale}")
     if u.ema_decay is not None and not 0.0 <= u.ema_decay < 1.0:
         raise ValueError(f"update.ema_decay: must be in [0, 1) or null, got {u.ema_decay}")
     if config.update.warmup_steps < 0:
         raise ValueError(f"update.warmup_steps: must be >= 0, got {config.update.warmup_steps}")
-    if config.tasks.rl_count < 0:
-        raise ValueError(f"tasks.rl_count: must be >= 0, got {config.tasks.rl_count}")
-    if config.tasks.rl_count and config.tasks.train_file is not None:
-        raise ValueError("tasks.rl_count: RL-only tasks come from the built-in suite, but "
-                         "tasks.train_file is set; use 0 with a task file")
     if config.tasks.renamed_copies < 0:
         raise ValueError(f"tasks.renamed_copies: must be >= 0, got {config.tasks.renamed_copies}")
     if config.sft.steps < 0:
@@ -713,16 +629,6 @@ def validate(config: TrainConfig) -> None:
     for name, fraction in fractions.items():
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"{name}: must be in [0, 1], got {fraction}")
-    if config.sft.whole_line and not config.sft.line_edits:
-        raise ValueError("sft.whole_line: rewrites one line, so it needs sft.line_edits: true")
-    if config.sft.edit_anchor < 0:
-        raise ValueError(f"sft.edit_anchor: must be >= 0, got {config.sft.edit_anchor}")
-    if config.sft.edit_anchor and (config.sft.whole_line or not config.sft.line_edits):
-        raise ValueError("sft.edit_anchor: widens line edits' old/new, so it needs "
-                         "sft.line_edits: true and sft.whole_line: false")
-    if config.sft.whole_line and config.sft.retry_fraction > 0:
-        raise ValueError("sft.retry_fraction: retry demonstrations misremember `old`, which "
-                         "whole-line edits (sft.whole_line) never type; set it to 0")
     if config.sft.recovery_fraction > config.sft.wrong_edit_fraction:
         raise ValueError("sft.recovery_fraction: recoveries follow wrong edits, so it must be "
                          f"<= sft.wrong_edit_fraction ({config.sft.wrong_edit_fraction})")

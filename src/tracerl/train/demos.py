@@ -5,7 +5,7 @@ A run with ``sft.enabled`` plays scripted, imperfect demonstrations of its train
 texts train the tiny model's tokenizer, the warm start fine-tunes on them, and ``update.sft_coef`` mixes a
 fresh batch of them into every RL optimizer step. :class:`DemonstrationSet` holds them for the
 trainer so that all three see the same demonstrations and the same renaming per draw
-(``sft.fresh_names``, ``sft.fresh_locals``), and so that a resumed run draws what it drew.
+(``sft.fresh_names``), and so that a resumed run draws what it drew.
 """
 
 from __future__ import annotations
@@ -16,14 +16,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tracerl.envs import CodingEnv, Sandbox, Task
-from tracerl.envs.suite.augment import fresh_local_names, fresh_name, is_renamed, module_name
+from tracerl.envs.suite.augment import fresh_name, is_renamed, module_name
 from tracerl.envs.suite.demonstrator import (
     Demonstration,
     demonstration_texts,
-    locals_rename_is_exact,
     make_demonstrations,
     rename_demonstration,
-    rename_demonstration_locals,
 )
 from tracerl.rollout.collect.chat_tokens import ChatTokens
 from tracerl.train.config import TrainConfig
@@ -60,23 +58,20 @@ class DemonstrationSet:
         self._sequences = None
 
     def demonstrations(self) -> list[Demonstration]:
-        """The (imperfect) demonstrations: ``sft.demos_per_task`` of each shown task."""
+        """The (imperfect) demonstrations: ``sft.demos_per_task`` of each train task."""
         if self._demos is None:
             sft = self.config.sft
-            shown = self.tasks
-            if sft.task_count is not None:
-                shown = [t for t in self.tasks if not is_renamed(t.id)][: sft.task_count]
             # Scripted attempts are not held to the rollout's turn budget (the longest script
             # has 8 actions; a short budget is a constraint on the policy, not the teacher).
-            shown = [dataclasses.replace(t, budget=None) for t in shown]
+            shown = [dataclasses.replace(t, budget=None) for t in self.tasks]
             self._demos = make_demonstrations(
                 shown, lambda: CodingEnv(shown, sandbox=self.sandbox, max_turns=SCRIPT_TURNS),
                 demos_per_task=sft.demos_per_task, wrong_fraction=sft.wrong_edit_fraction,
                 recovery_fraction=sft.recovery_fraction, check_fraction=sft.check_fraction,
                 seed=self.config.seed, line_edits=sft.line_edits,
                 implicit_path=sft.implicit_path, retry_fraction=sft.retry_fraction,
-                search_fraction=sft.search_fraction, whole_line=sft.whole_line,
-                undo=sft.undo, restart=sft.restart, edit_anchor=sft.edit_anchor)
+                search_fraction=sft.search_fraction,
+                undo=sft.undo)
         return self._demos
 
     def tokenizer_texts(self) -> list[str]:
@@ -93,7 +88,7 @@ class DemonstrationSet:
     def sequences(self) -> tuple[list[TokenizedDemo], Redraw | None]:
         """The demonstrations tokenized, and ``redraw(index, rng, names)`` that gives one of
         them as SFT trains on it (with probability ``sft.fresh_names`` a fresh name drawn from
-        ``names``, and likewise fresh locals; None when neither is on). Made on the first call
+        ``names``; None when it is off). Made on the first call
         after :meth:`bind`."""
         if self._sequences is not None:
             return self._sequences
@@ -104,29 +99,15 @@ class DemonstrationSet:
         demos = self.demonstrations()
         sequences = [tokenize_demonstration(d, chat, tokenizer) for d in demos]
         modules = {t.id: module_name(t) for t in self.tasks}
-        by_id = {t.id: t for t in self.tasks}
 
         def redraw(index: int, rng: random.Random, names: random.Random) -> TokenizedDemo:
-            rename = rng.random() < sft.fresh_names
-            # Drawn only when on, so a run without fresh locals draws what it always drew.
-            relocal = sft.fresh_locals > 0 and rng.random() < sft.fresh_locals
-            if not (rename or relocal):
+            if not rng.random() < sft.fresh_names:
                 return sequences[index]
             demo = demos[index]
-            new = fresh_name(names) if rename else modules[demo.task_id]
-            if rename:
-                demo = rename_demonstration(demo, modules[demo.task_id], new)
-            if relocal:
-                task = by_id[demos[index].task_id]
-                for _ in range(4):  # names under which every edit still applies as shown
-                    mapping = fresh_local_names(task, names, taken=frozenset({new}))
-                    if locals_rename_is_exact(task, demos[index], mapping):
-                        demo = rename_demonstration_locals(demo, mapping)
-                        break
+            demo = rename_demonstration(demo, modules[demo.task_id], fresh_name(names))
             return tokenize_demonstration(demo, chat, tokenizer)
 
-        self._sequences = sequences, (
-            redraw if sft.fresh_names > 0 or sft.fresh_locals > 0 else None)
+        self._sequences = sequences, (redraw if sft.fresh_names > 0 else None)
         return self._sequences
 
     def batch(self, optimizer_step: int) -> DemonstrationBatch:

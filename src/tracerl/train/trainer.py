@@ -48,7 +48,6 @@ from tracerl.rollout.collect.chat_tokens import (
 )
 from tracerl.rollout.collect.collector import Collector, CollectorConfig
 from tracerl.rollout.collect.compaction import CompactionConfig
-from tracerl.rollout.decoding.constraints import VocabularyTexts
 from tracerl.trace import Attempt, PackedBatch, Role, TraceStore, Turn, pack, read_attempts
 from tracerl.trace.schema import EndReason, Treatment, default_treatments
 from tracerl.train import checkpoint as ckpt
@@ -60,7 +59,6 @@ from tracerl.train.algorithms import (
 )
 from tracerl.train.config import TrainConfig, config_changes, dump_config
 from tracerl.train.demos import DemonstrationSet, Redraw, TokenizedDemo
-from tracerl.train.edit_text import edit_text_mask
 from tracerl.train.metrics import MetricsWriter, StepProgress
 from tracerl.train.sft import supervised_finetune
 from tracerl.train.update import (
@@ -79,8 +77,6 @@ Hook = Callable[[str, "Trainer"], None]
 """Called after every phase with its name (``collect``, ``verify``, ``advantages``, ``update``,
 ``evaluate``, ``checkpoint``, ``sft``) and the trainer."""
 
-PHASES = ("collect", "verify", "advantages", "update", "evaluate", "checkpoint")
-"""The loop's phases, in order."""
 
 class Trainer:
     """One run of :class:`TrainConfig` (see the module docstring)."""
@@ -195,10 +191,7 @@ class Trainer:
         if self.lead:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._check_config_file()
-        loaded = self._load_tasks("train")
-        cut = len(loaded) - config.tasks.rl_count
-        self.train_tasks = self._with_copies(loaded[:cut])
-        self.rl_tasks = self._with_copies(loaded[cut:]) if cut < len(loaded) else self.train_tasks
+        self.train_tasks = self._with_copies(self._load_tasks("train"))
         self.heldout_tasks = self._load_tasks("heldout")
         self.sandbox = Sandbox()
         self.demos = DemonstrationSet(config, self.train_tasks, self.sandbox)
@@ -213,7 +206,6 @@ class Trainer:
         else:
             model, tokenizer = self._build_model()
         self.tokenizer = tokenizer
-        self._texts: VocabularyTexts | None = None
         self.actor = ActorCritic(model, config.critic, config.rollout.temperature).to(self.device)
         self.policy = HFPolicy(model, tokenizer, max_batch_size=config.rollout.concurrency)
         self.demos.bind(self.chat_tokens(), tokenizer)
@@ -254,8 +246,7 @@ class Trainer:
         path.write_text(text, encoding="utf-8")
 
     def _load_tasks(self, split: str) -> list[Task]:
-        """The tasks of "train" (the demonstrated ones, then ``tasks.rl_count`` more that only
-        RL draws from) or "heldout", without renamed copies."""
+        """The tasks of "train" or "heldout", without renamed copies."""
         tasks = self.config.tasks
         source = tasks.train_file if split == "train" else tasks.heldout_file
         if source is not None:
@@ -265,8 +256,7 @@ class Trainer:
         if split == "heldout":
             return generate_split("heldout", tasks.suite_seed, tasks.heldout_count,
                                   max_turns=turns)
-        # A larger count extends a smaller one: the RL-only tasks follow the demonstrated ones.
-        return generate_split("train", self._train_seed(), tasks.train_count + tasks.rl_count,
+        return generate_split("train", self._train_seed(), tasks.train_count,
                               composed=tasks.composed_train, max_turns=turns)
 
     def _train_seed(self) -> int:
@@ -276,8 +266,7 @@ class Trainer:
     def _with_copies(self, tasks: list[Task]) -> list[Task]:
         """``tasks`` followed by their renamed copies (``tasks.renamed_copies`` of each)."""
         copies, seed = self.config.tasks.renamed_copies, self._train_seed()
-        return (renamed_copies(tasks, copies, seed, fresh_locals=self.config.tasks.fresh_locals)
-                if copies else tasks)
+        return renamed_copies(tasks, copies, seed) if copies else tasks
 
     def make_env_factory(self, tasks: Sequence[Task]) -> Callable[[], CodingEnv]:
         """A factory of fresh environments over ``tasks`` (one per attempt)."""
@@ -374,8 +363,7 @@ class Trainer:
             max_concurrent=rollout.concurrency, max_batch_size=rollout.concurrency,
             env_workers=rollout.env_workers, seed=seed, system_prompt=rollout.system_prompt,
             tools=tools, compaction=compaction, handle_signals=False,
-            constrain_edits=rollout.constrain_edits, constrain_calls=rollout.constrain_calls,
-            constrain_new=rollout.constrain_new)
+            constrain_edits=rollout.constrain_edits, constrain_calls=rollout.constrain_calls)
         policy: Any = self.policy  # HFPolicy satisfies the collector's SamplingPolicy
         return Collector(policy, self.make_env_factory(tasks), store, config)
 
@@ -396,7 +384,7 @@ class Trainer:
     def choose_tasks(self, step: int, count: int, exclude: set[str]) -> list[Task]:
         """Tasks of one step: success-weighted (keeps groups mixed) or a seeded sweep."""
         rng = random.Random(f"{self.config.seed}:tasks:{step}:{len(exclude)}")
-        pool = [t for t in self.rl_tasks if t.id not in exclude]
+        pool = [t for t in self.train_tasks if t.id not in exclude]
         dynamic = self.config.dynamic
         if dynamic.success_sampling:
             group = self.config.rollout.group_size
@@ -411,8 +399,8 @@ class Trainer:
                 chosen.append(pool.pop(pick))
                 weights.pop(pick)
             return chosen
-        epoch_size = max(1, len(self.rl_tasks) // count)
-        order = list(self.rl_tasks)
+        epoch_size = max(1, len(self.train_tasks) // count)
+        order = list(self.train_tasks)
         random.Random(f"{self.config.seed}:sweep:{step // epoch_size}").shuffle(order)
         start = (step % epoch_size) * count
         chosen = [t for t in order[start:start + count] if t.id not in exclude]
@@ -511,7 +499,7 @@ class Trainer:
         configured, and applies each ending's treatment while packing. The batch is None when
         dynamic sampling kept no group (all were uniform and no refill found a mixed one).
         """
-        if self.config.rollout.process_reward or self.config.rollout.edit_reward:
+        if self.config.rollout.process_reward:
             attempts = [self._with_process_rewards(a) for a in attempts]
         batch = pack(attempts, has_critic=self.actor.has_critic,
                      pad_token_id=int(self.tokenizer.pad_token_id)) if attempts else None
@@ -563,15 +551,10 @@ class Trainer:
         return batch, metrics
 
     def _with_process_rewards(self, attempt: Attempt) -> Attempt:
-        """Process rewards read from the observations that came back: with
-        ``rollout.process_reward`` each turn that ran the visible tests gets
-        ``coef * [the tests passed]``; with ``rollout.edit_reward`` each ``replace`` gets
-        ``coef * [the tool applied it and it changed the line]`` and each malformed call 0.
-        Both are off by default (see the config fields: each rewards something the hidden
-        tests do not measure, a possible source of bias)."""
-        rollout = self.config.rollout
-        coef = rollout.process_reward_coef
-        rewarded = {"run_tests": rollout.process_reward, "replace": rollout.edit_reward}
+        """Each turn that ran the visible tests gets ``coef * [the tests passed]``, read from
+        the observation that came back. Off by default: it rewards what the visible tests
+        measure, which the hidden tests may not (a possible source of bias)."""
+        coef = self.config.rollout.process_reward_coef
         fragments = []
         for fragment in attempt.fragments:
             turns = list(fragment.turns)
@@ -581,23 +564,14 @@ class Trainer:
                     continue
                 text = self.policy.decode(action[-1].token_ids.tolist())
                 call = parse_tool_call(text).call
-                if call is None:
-                    if rollout.edit_reward:
-                        turns[i] = Turn(turn.segments, 0.0)
-                    continue
-                if not rewarded.get(call.name, False):
+                if call is None or call.name != "run_tests":
                     continue
                 if i + 1 < len(turns):
                     following = turns[i + 1].segments[0].token_ids
                 else:
                     following = fragment.continuation_ids
-                answer = self.policy.decode(following.tolist()).lstrip()
-                if call.name == "run_tests":
-                    earned = answer.startswith("PASS")
-                else:
-                    earned = (answer.startswith("OK")
-                              and call.arguments.get("old") != call.arguments.get("new"))
-                turns[i] = Turn(turn.segments, coef * float(earned))
+                passed = self.policy.decode(following.tolist()).lstrip().startswith("PASS")
+                turns[i] = Turn(turn.segments, coef * float(passed))
             fragments.append(dataclasses.replace(fragment, turns=tuple(turns)))
         return dataclasses.replace(attempt, fragments=tuple(fragments))
 
@@ -641,21 +615,7 @@ class Trainer:
         metrics["segmentation"] = segmentation_report(batch, update.loss_mode,
                                                       update.loss_constant)
         rows = dataclasses.replace(rows, advantages=result.advantages, returns=result.returns)
-        if update.edit_text_weight != 1.0:
-            edits = edit_text_mask(batch.input_ids, mask, self._token_texts())
-            weights = torch.where(edits, update.edit_text_weight, 1.0) * mask.float()
-            rows = dataclasses.replace(rows, token_weights=weights)
-            if bool(mask.any()):
-                metrics["advantage"]["edit_text_fraction"] = float(edits.sum() / mask.sum())
         return rows, metrics
-
-    def _token_texts(self) -> VocabularyTexts:
-        """Each token's text, for finding an action's edit text (made once)."""
-        if self._texts is None:
-            policy: Any = self.actor.policy  # a transformers model
-            width = int(policy.get_output_embeddings().weight.shape[0])
-            self._texts = VocabularyTexts(self.tokenizer, width)
-        return self._texts
 
     def _reference(self) -> ActorCritic | None:
         """The KL anchor: the policy as RL started (after the warm start), frozen."""
@@ -767,8 +727,7 @@ class Trainer:
         return conversation_json(tool_schemas_in_prompt=rollout.show_tool_schemas,
                                  system_prompt=rollout.system_prompt,
                                  constrain_edits=rollout.constrain_edits,
-                                 constrain_calls=rollout.constrain_calls,
-                                 constrain_new=rollout.constrain_new)
+                                 constrain_calls=rollout.constrain_calls)
 
     def final_checkpoint(self) -> Path:
         """The checkpoint of the last completed step, written now if it is not there yet."""
@@ -787,8 +746,7 @@ class Trainer:
         write_conversation(directory, tool_schemas_in_prompt=rollout.show_tool_schemas,
                            system_prompt=rollout.system_prompt,
                            constrain_edits=rollout.constrain_edits,
-                           constrain_calls=rollout.constrain_calls,
-                           constrain_new=rollout.constrain_new)
+                           constrain_calls=rollout.constrain_calls)
         return directory
 
     # -- the weight average (update.ema_decay) -------------------------------------------------

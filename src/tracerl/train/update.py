@@ -76,9 +76,6 @@ class RowBatch:
     """(B, T) critic values at the start of the update (value clipping anchor)."""
     ref_logprobs: torch.Tensor | None = None
     """(B, T) reference-model logprobs (KL anchor), or None without KL."""
-    token_weights: torch.Tensor | None = None
-    """(B, T) float weight of each action token's policy-gradient, entropy and positive-NLL
-    terms (the KL and value terms are unweighted), or None for 1 everywhere (``update.edit_text_weight``)."""
 
     @property
     def rows(self) -> int:
@@ -354,8 +351,6 @@ def token_loss(model: ActorCritic, part: RowBatch, config: UpdateConfig, critic:
             part.old_logprobs, part.behavior_logprobs, mask, cap=config.tis_cap)
         metrics.update(tis)
     advantages = part.advantages
-    if part.token_weights is not None:  # PPO's clipped term is linear in each advantage
-        advantages = advantages * part.token_weights
     if config.loss_level == "token":
         loss, pg = ppo_token_loss(logprobs, part.old_logprobs, advantages, mask,
                                   clip_low=config.clip_low, clip_high=config.clip_high,
@@ -367,14 +362,6 @@ def token_loss(model: ActorCritic, part: RowBatch, config: UpdateConfig, critic:
                                      clip_low=config.clip_low, clip_high=config.clip_high,
                                      dual_clip=config.dual_clip)
     metrics.update(pg)
-    if config.positive_nll_coef > 0:
-        positive = (part.advantages > 0) & mask
-        scale = positive.to(logprobs.dtype)
-        if part.token_weights is not None:
-            scale = scale * part.token_weights
-        loss = loss - config.positive_nll_coef * logprobs * scale
-        if bool(mask.any()):
-            metrics["update/positive_token_fraction"] = float(positive.sum() / mask.sum())
     if config.kl_coef > 0 and config.kl_in == "loss":
         assert part.ref_logprobs is not None
         kl, kl_metrics = kl_loss(logprobs, part.ref_logprobs, mask, config.kl_estimator,
@@ -383,8 +370,7 @@ def token_loss(model: ActorCritic, part: RowBatch, config: UpdateConfig, critic:
         metrics.update(kl_metrics)
     if entropies is not None:
         maskf = mask.to(entropies.dtype)
-        weighted = maskf if part.token_weights is None else maskf * part.token_weights
-        loss = loss - config.entropy_coef * entropies * weighted
+        loss = loss - config.entropy_coef * entropies * maskf
         if bool(mask.any()):
             metrics["entropy/mean"] = float((entropies.detach() * maskf).sum() / maskf.sum())
     if values is not None:

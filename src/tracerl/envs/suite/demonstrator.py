@@ -16,13 +16,12 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tracerl.envs.suite.augment import RENAMED_MARK, module_name, rename_locals_text, rename_text
+from tracerl.envs.suite.augment import RENAMED_MARK, rename_text
 from tracerl.envs.tasks import Task
-from tracerl.envs.tools import parse_tool_call
 from tracerl.hermes import render_tool_call
 
 DemoKind = Literal["correct", "checked", "wrong", "wrong_checked", "recovery", "retry",
@@ -36,10 +35,7 @@ versions of the buggy part of the line, each tested and FAIL, then the right one
 submit: a demonstrator that does not know the fix and uses the tests to find it). With
 ``undo``, ``recovery`` and ``search`` undo each failed try (FAIL, ``undo``, the line shown as
 the task gave it) and edit that line again; ``search`` then makes one wrong try, as three
-turns per try leave room for one in the built-in 8-turn budget. With ``restart`` they call
-``restart`` after the FAIL instead, and the demonstration ends there, as it ends at ``submit``:
-the environment then starts the task over in a fresh context, and what follows is a first try
-like any other (the ``correct``/``checked`` demonstrations show it)."""
+turns per try leave room for one in the built-in 8-turn budget."""
 
 
 @dataclass(frozen=True)
@@ -99,18 +95,13 @@ def _common_ends(ta: list[str], tb: list[str]) -> tuple[int, int]:
     return head, tail
 
 
-def minimal_edit(before: str, after: str, anchor: int = 0) -> tuple[str, str]:
+def minimal_edit(before: str, after: str) -> tuple[str, str]:
     """The shortest (old, new) pair, on token boundaries, that turns the line ``before`` into
     ``after`` with one replacement, ``old`` occurring exactly once in ``before``.
 
     The common prefix and suffix of the two token lists are left out; when that leaves
     ``old`` empty (a pure insertion) or not unique in the line, it grows by a token at a time,
-    left then right. ``anchor`` then adds up to that many more words or symbols of the line
-    on the left (never its indentation): ``"x >"`` to ``"x >="`` instead of ``">"`` to
-    ``">="``. ``old`` then starts with text the policy can find by what precedes the change
-    and continues by copying, which is how small transformers copy (induction)."""
-    if anchor < 0:
-        raise ValueError(f"minimal_edit: anchor must be >= 0, got {anchor}")
+    left then right."""
     if before == after:
         raise ValueError("minimal_edit: the lines are equal; there is nothing to replace")
     ta, tb = _PIECE.findall(before), _PIECE.findall(after)
@@ -122,15 +113,9 @@ def minimal_edit(before: str, after: str, anchor: int = 0) -> tuple[str, str]:
 
     grow_left = True
     while True:
-        old = piece()[0]
+        old, new = piece()
         if old.strip() and before.count(old) == 1:
-            # lo_a == lo_b throughout: the pieces left of them are the lines' common prefix.
-            for _ in range(anchor):
-                start = lo_a - 1 if lo_a > 0 and ta[lo_a - 1].isspace() else lo_a
-                if start == 0:
-                    break  # only the indentation (or nothing) is left on the left
-                lo_a = lo_b = start - 1
-            return piece()
+            return old, new
         if grow_left and lo_a > 0:
             lo_a, lo_b = lo_a - 1, lo_b - 1
         elif hi_a < len(ta):
@@ -231,44 +216,32 @@ def plan_kind(rng: random.Random, wrong_fraction: float, recovery_fraction: floa
 
 
 def _edit(path: str | None, line: int | None, before: str, after: str,
-          old: str | None = None, whole_line: bool = False, anchor: int = 0) -> str:
+          old: str | None = None) -> str:
     """A ``replace`` call turning ``before`` into ``after``: the whole text, or (with ``line``)
-    the minimal change within that line, or (``whole_line``) that line rewritten without
-    ``old``, its indentation left to the tool; ``path`` None relies on the open file. ``old``,
+    the minimal change within that line; ``path`` None relies on the open file. ``old``,
     when given, replaces the text to find (a wrong one, for a demonstration of the tool's
-    error). ``anchor``: see ``minimal_edit``."""
+    error)."""
     where: dict[str, object] = {} if path is None else {"path": path}
     if line is None:
         return render_tool_call("replace", {**where, "old": old or before, "new": after})
-    if whole_line and old is None:
-        return render_tool_call("replace", {**where, "line": line, "new": after.strip()})
-    found, new = minimal_edit(before, after, anchor)
+    found, new = minimal_edit(before, after)
     return render_tool_call("replace", {**where, "line": line, "old": old or found, "new": new})
 
 
 def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random, *,
                        line_edits: bool = False, implicit_path: bool = False,
-                       whole_line: bool = False, undo: bool = False,
-                       restart: bool = False, edit_anchor: int = 0) -> Demonstration:
+                       undo: bool = False) -> Demonstration:
     """Play one scripted attempt in ``env`` (a ``CodingEnv``); submit is not stepped (its
     observation is never shown to the policy, and verification would only cost time).
 
     ``line_edits``: edits name the line and replace only the changed tokens (see
-    ``minimal_edit``), or with ``whole_line`` rewrite that line (no ``old`` to copy: the
-    policy retypes the line and changes it where the bug is); otherwise ``old`` is the whole
-    stripped buggy line. ``implicit_path``:
+    ``minimal_edit``); otherwise ``old`` is the whole stripped buggy line. ``implicit_path``:
     ``view_file`` and ``replace`` leave out ``path`` and act on the environment's open file
     (the task's first editable file, which is the one with the bug in the built-in suite).
     ``undo``: after a wrong edit's FAIL, ``recovery`` and ``search`` call ``undo`` and make the
-    next edit on the original line (otherwise they edit the wrong version). ``restart`` (which
-    wins over ``undo``): after a wrong try's FAIL they call ``restart``, which ends this context;
-    the demonstration stops there (the environment is not stepped, as for ``submit``).
+    next edit on the original line (otherwise they edit the wrong version).
     Every demonstration submits at its first PASS: a wrong try that the visible tests happen
-    to pass is submitted, as a demonstrator who cannot tell would.
-    ``edit_anchor``: line edits' ``old`` and ``new`` start that many words or symbols before
-    the change (``minimal_edit``'s ``anchor``)."""
-    if whole_line and not line_edits:
-        raise ValueError("play_demonstration: whole_line needs line_edits")
+    to pass is submitted, as a demonstrator who cannot tell would."""
     if line_edits:
         path, number, bad, good = bug_location(task)
         line: int | None = number
@@ -282,17 +255,13 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
     named: str | None = None if implicit_path else path
 
     def edit(before: str, after: str, old: str | None = None) -> str:
-        return _edit(named, line, before, after, old=old, whole_line=whole_line,
-                     anchor=edit_anchor)
+        return _edit(named, line, before, after, old=old)
 
     actions = [render_tool_call("view_file", {} if named is None else {"path": named})]
     if kind == "retry":
-        found = minimal_edit(bad, good, edit_anchor)[0] if line is not None else bad
+        found = minimal_edit(bad, good)[0] if line is not None else bad
         actions += [edit(bad, good, old=misremembered_old(bad, found, rng)), edit(bad, good),
                     _call("run_tests")]
-    elif kind in ("search", "recovery") and restart:
-        wrong_try = search_candidates(bad, good, rng, most=1)[0] if kind == "search" else wrong
-        actions += [edit(bad, wrong_try), _call("run_tests"), _call("restart")]
     elif kind == "search":
         current = bad
         # With undo a wrong try costs three turns: one of them fits the built-in 8-turn budget.
@@ -320,9 +289,6 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
     for action in actions:
         if turns and turns[-1][1] == "PASS":
             break  # a wrong try passed the visible tests: the demonstrator submits it
-        if action == _call("restart"):
-            turns.append((action, None))
-            return Demonstration(task.id, kind, str(first), tuple(turns))
         observation, _, terminated, truncated, info = env.step(action)
         if terminated or truncated or info.get("tool_error"):
             raise ValueError(f"task {task.id}: demonstration step {action!r} ended the episode")
@@ -335,13 +301,9 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                         demos_per_task: int, wrong_fraction: float, recovery_fraction: float,
                         check_fraction: float, seed: int, line_edits: bool = False,
                         implicit_path: bool = False, retry_fraction: float = 0.0,
-                        search_fraction: float = 0.0, whole_line: bool = False,
-                        undo: bool = False, restart: bool = False,
-                        edit_anchor: int = 0) -> list[Demonstration]:
+                        search_fraction: float = 0.0,
+                        undo: bool = False) -> list[Demonstration]:
     """``demos_per_task`` demonstrations of each task, kinds drawn from the fractions."""
-    if whole_line and retry_fraction > 0:
-        raise ValueError("make_demonstrations: retry demonstrations misremember `old`, which "
-                         "whole-line edits do not type; set retry_fraction to 0")
     rng = random.Random(seed)
     env = make_env()
     demos: list[Demonstration] = []
@@ -351,9 +313,7 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                 kind = plan_kind(rng, wrong_fraction, recovery_fraction, check_fraction,
                                  retry_fraction, search_fraction)
                 demos.append(play_demonstration(task, kind, env, rng, line_edits=line_edits,
-                                                implicit_path=implicit_path,
-                                                whole_line=whole_line, undo=undo,
-                                                restart=restart, edit_anchor=edit_anchor))
+                                                implicit_path=implicit_path, undo=undo))
     finally:
         env.close()
     return demos
@@ -373,45 +333,6 @@ def rename_demonstration(demo: Demonstration, old: str, new: str) -> Demonstrati
         first_observation=first,
         turns=tuple((rename_text(a, old, new), None if o is None else rename_text(o, old, new))
                     for a, o in demo.turns))
-
-
-def rename_demonstration_locals(demo: Demonstration, mapping: Mapping[str, str]
-                                ) -> Demonstration:
-    """``demo`` with the task's locals renamed by ``mapping`` (``augment.rename_task_locals``):
-    those names occur only in the module's code, so a whole-word rewrite of every text is an
-    attempt at the renamed task that the environment answers with the rewritten observations,
-    when ``locals_rename_is_exact`` holds (a test steps the rewritten actions to check it).
-    Its ``old`` texts may be longer than the shortest unique ones on the renamed line."""
-    def rewrite(text: str) -> str:
-        return rename_locals_text(text, mapping)
-
-    return dataclasses.replace(
-        demo, first_observation=rewrite(demo.first_observation),
-        turns=tuple((rewrite(a), None if o is None else rewrite(o)) for a, o in demo.turns))
-
-
-def locals_rename_is_exact(task: Task, demo: Demonstration, mapping: Mapping[str, str]
-                           ) -> bool:
-    """Whether renaming the locals by ``mapping`` keeps, for every ``old`` the demonstration's
-    edits type, how often it occurs in each line of the module and of its solution, so that
-    the ``replace`` tool answers each rewritten edit as it answered the original (a short name
-    may occur inside a longer one: ``v`` in ``every``)."""
-    olds: list[str] = []
-    for action, _ in demo.turns:
-        call = parse_tool_call(action).call
-        if call is not None and call.name == "replace" and isinstance(
-                call.arguments.get("old"), str):
-            olds.append(call.arguments["old"])
-    if not olds:
-        return True
-    path = f"{module_name(task)}.py"
-    for source in (task.files[path], (task.solution or {}).get(path, "")):
-        renamed = rename_locals_text(source, mapping)
-        for before, after in zip(source.splitlines(), renamed.splitlines(), strict=True):
-            for old in olds:
-                if before.count(old) != after.count(rename_locals_text(old, mapping)):
-                    return False
-    return True
 
 
 def demonstration_texts(demos: Sequence[Demonstration]) -> list[str]:

@@ -29,25 +29,23 @@ the prompt or not, the system prompt), so an evaluation renders them the same wa
 
 
 def conversation_json(*, tool_schemas_in_prompt: bool, system_prompt: str | None,
-                      constrain_edits: bool = False, constrain_calls: bool = False,
-                      constrain_new: bool = False) -> str:
+                      constrain_edits: bool = False, constrain_calls: bool = False) -> str:
     """The content of ``CONVERSATION_FILE`` for a policy trained with this format
     (``constrain_edits``: its edits were decoded under ``rollout.decoding.constraints.EditConstraint``;
-    ``constrain_calls``: its actions under ``rollout.decoding.grammar.ToolCallGrammar``;
-    ``constrain_new``: its ``new`` texts under ``rollout.decoding.constraints.NewTextConstraint``)."""
+    ``constrain_calls``: its actions under ``rollout.decoding.grammar.ToolCallGrammar``)."""
     return json.dumps({"tool_schemas_in_prompt": tool_schemas_in_prompt,
                        "system_prompt": system_prompt, "constrain_edits": constrain_edits,
-                       "constrain_calls": constrain_calls, "constrain_new": constrain_new})
+                       "constrain_calls": constrain_calls})
 
 
 def write_conversation(directory: str | Path, *, tool_schemas_in_prompt: bool,
                        system_prompt: str | None, constrain_edits: bool = False,
-                       constrain_calls: bool = False, constrain_new: bool = False) -> None:
+                       constrain_calls: bool = False) -> None:
     """Record the conversation format a policy was trained with in ``directory``."""
     (Path(directory) / CONVERSATION_FILE).write_text(
         conversation_json(tool_schemas_in_prompt=tool_schemas_in_prompt,
                           system_prompt=system_prompt, constrain_edits=constrain_edits,
-                          constrain_calls=constrain_calls, constrain_new=constrain_new),
+                          constrain_calls=constrain_calls),
         encoding="utf-8")
 
 

@@ -44,13 +44,7 @@ from tracerl.rollout.collect.batching import GenerationBatcher, SamplingPolicy
 from tracerl.rollout.collect.chat_tokens import ChatTokens, ObservationRole
 from tracerl.rollout.collect.compaction import CompactionConfig
 from tracerl.rollout.collect.progress import CollectorProgress
-from tracerl.rollout.decoding.constraints import (
-    EditConstraint,
-    NameScope,
-    NewTextConstraint,
-    TokenConstraint,
-    VocabularyTexts,
-)
+from tracerl.rollout.decoding.constraints import EditConstraint, TokenConstraint, VocabularyTexts
 from tracerl.rollout.decoding.grammar import AllRules, ToolCallGrammar, tool_specs
 from tracerl.rollout.policies.sampling import SamplingParams
 from tracerl.trace.schema import ATTEMPT_ENDINGS, Attempt, EndReason
@@ -103,11 +97,6 @@ class CollectorConfig:
     inside that string the sampler may only write a piece of the line the call names (of the
     environment's open file), closed where it occurs once. Needs a policy that applies
     decoding rules (``HFPolicy``) and an environment with ``open_file_text()``."""
-    constrain_new: bool = False
-    """Constrained decoding of ``replace``'s ``new`` (``rollout.decoding.constraints.NewTextConstraint``):
-    every name it completes is one the environment's open file holds, or a Python keyword,
-    and it is never closed equal to the call's ``old``. Needs a policy that applies decoding
-    rules (``HFPolicy``) and an environment with ``open_file_text()``."""
     constrain_calls: bool = False
     """Grammar-constrained tool calls (``rollout.decoding.grammar.ToolCallGrammar``): every action is
     one well-formed call of one of the environment's tools (its ``tool_schemas``, else
@@ -203,9 +192,7 @@ class Collector:
         """Attempts the store already held (same id): not written again."""
         self._vocabulary: VocabularyTexts | None = None
         self._grammar: ToolCallGrammar | None = None
-        self._scopes: dict[str, NameScope] = {}
-        """``constrain_new``'s names of each file text seen (a task's file, as edited)."""
-        for option in ("constrain_edits", "constrain_new", "constrain_calls"):
+        for option in ("constrain_edits", "constrain_calls"):
             if getattr(self.config, option) and "constraints" not in inspect.signature(
                     policy.generate).parameters:
                 raise ValueError(f"{option}: {type(policy).__name__} applies no decoding "
@@ -215,18 +202,14 @@ class Collector:
     # -- public ---------------------------------------------------------------------------
 
     def decoding_rule(self, env: Any) -> TokenConstraint | None:
-        """The decoding rules for ``env``'s next action (``constrain_calls``,
-        ``constrain_edits`` and ``constrain_new``, each where on), combined; None when none
-        applies."""
+        """The decoding rules for ``env``'s next action (``constrain_calls`` and
+        ``constrain_edits``, each where on), combined; None when neither applies."""
         rules: list[TokenConstraint] = []
         if self.config.constrain_calls:
             rules.append(self.call_grammar(env).rule())
         edit = self.edit_constraint(env)
         if edit is not None:
             rules.append(edit)
-        new = self.new_text_constraint(env)
-        if new is not None:
-            rules.append(new)
         if not rules:
             return None
         return rules[0] if len(rules) == 1 else AllRules(rules)
@@ -260,28 +243,9 @@ class Collector:
         text = env.open_file_text() if hasattr(env, "open_file_text") else None
         if text is None:
             return None
-        return EditConstraint(self._texts("constrain_edits"), text)
-
-    def new_text_constraint(self, env: Any) -> NewTextConstraint | None:
-        """The rule for ``replace``'s ``new`` in ``env``'s next action (``constrain_new``), or
-        None."""
-        if not self.config.constrain_new:
-            return None
-        text = env.open_file_text() if hasattr(env, "open_file_text") else None
-        if text is None:
-            return None
-        scope = self._scopes.get(text)
-        if scope is None:
-            if len(self._scopes) >= 512:  # files seen long ago: their masks are rebuilt
-                self._scopes.clear()
-            scope = self._scopes[text] = NameScope(self._texts("constrain_new"), text)
-        return NewTextConstraint(scope)
-
-    def _texts(self, option: str) -> VocabularyTexts:
-        """The policy's token texts (made once), for the rules on edit strings."""
         if self._vocabulary is None:
-            self._vocabulary = VocabularyTexts(*self._vocabulary_of_policy(option))
-        return self._vocabulary
+            self._vocabulary = VocabularyTexts(*self._vocabulary_of_policy("constrain_edits"))
+        return EditConstraint(self._vocabulary, text)
 
     def collect(self, tasks: Sequence[Any], group_size: int, *,
                 policy_version: int | None = None, run_id: str | None = None) -> CollectResult:

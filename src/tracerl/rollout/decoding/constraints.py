@@ -22,7 +22,6 @@ probability is what the update should do anyway; the mask never needs to be reco
 from __future__ import annotations
 
 import json
-import keyword
 import re
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -31,8 +30,6 @@ import torch
 
 _REPLACE = re.compile(r'"name"\s*:\s*"replace"')
 _OLD_OPEN = re.compile(r'"old"\s*:\s*"')
-_NEW_OPEN = re.compile(r'"new"\s*:\s*"')
-_OLD_VALUE = re.compile(r'"old"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _LINE = re.compile(r'"line"\s*:\s*"?(\d+)')
 _PATH = re.compile(r'"path"\s*:')
 
@@ -50,7 +47,7 @@ class TokenConstraint(Protocol):
 
 
 class VocabularyTexts:
-    """Each token's text, made once per tokenizer, and split at its first ``"``.
+    """Each token's text, made once per tokenizer, split at its first ``"``.
 
     ``width`` is the model's output width, which may exceed the tokenizer's size (padded
     embeddings): the ids past the tokenizer are never allowed inside a constrained string.
@@ -58,8 +55,6 @@ class VocabularyTexts:
 
     def __init__(self, tokenizer: Any, width: int) -> None:
         size = min(len(tokenizer), width)
-        self.texts: list[str] = []
-        """The decoded text of each token (special tokens and ids past the tokenizer: "")."""
         self.heads: list[str] = []
         """The text of each token before its first quote (the whole text without one)."""
         self.quoted: list[bool] = []
@@ -67,15 +62,11 @@ class VocabularyTexts:
         special = set(getattr(tokenizer, "all_special_ids", []) or [])
         for token_id in range(size):
             text = "" if token_id in special else str(tokenizer.decode([token_id]))
-            self.texts.append(text)
             head, quote, _ = text.partition('"')
             self.heads.append(head if text else "\0")  # "\0" is in no line: never allowed
             self.quoted.append(bool(quote))
-        self.texts.extend("" for _ in range(size, width))
         self.heads.extend("\0" for _ in range(size, width))
         self.quoted.extend(False for _ in range(size, width))
-        self.quoted_ids = [i for i, quoted in enumerate(self.quoted) if quoted]
-        """The tokens that close a string."""
 
 
 def _json_body(text: str) -> str:
@@ -83,13 +74,13 @@ def _json_body(text: str) -> str:
     return json.dumps(text)[1:-1]
 
 
-def open_string(text: str, key: re.Pattern[str] = _OLD_OPEN) -> str | None:
-    """The part of ``old`` (or of the argument ``key`` opens) written so far when ``text`` (a
-    completion) is inside that string of a ``replace`` call; None when it is not."""
+def open_string(text: str) -> str | None:
+    """The part of ``old`` written so far when ``text`` (a completion) is inside the ``old``
+    string of a ``replace`` call; None when it is not."""
     call = _REPLACE.search(text)
     if call is None:
         return None
-    starts = [match.end() for match in key.finditer(text, call.end())]
+    starts = [match.end() for match in _OLD_OPEN.finditer(text, call.end())]
     if not starts:
         return None
     body = text[starts[-1]:]
@@ -162,109 +153,6 @@ class EditConstraint:
                 keep.append(whole in body and not _odd_backslashes(whole)
                             and _count(scope, whole) == 1)
         return torch.tensor(keep, dtype=torch.bool) if any(keep) else None
-
-
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-PYTHON_NAMES = frozenset(keyword.kwlist)
-"""Names a fix may write that its file need not contain: Python's keywords. Not the
-builtins: with all of them in scope the demo's policy wrote ``round`` or ``repr`` where it had
-recalled a train template's local name; a builtin the file uses is in the file already."""
-
-
-def _word_runs(text: str) -> list[tuple[int, int]]:
-    """``[start, end)`` of each maximal run of word characters in a JSON string body; an
-    escaped character (``\\n``) is never part of a run."""
-    runs: list[tuple[int, int]] = []
-    start: int | None = None
-    index = 0
-    while index < len(text):
-        char = text[index]
-        if char == "\\":
-            if start is not None:
-                runs.append((start, index))
-                start = None
-            index += 2
-            continue
-        if char.isascii() and (char.isalnum() or char == "_"):
-            if start is None:
-                start = index
-        elif start is not None:
-            runs.append((start, index))
-            start = None
-        index += 1
-    if start is not None:
-        runs.append((start, len(text)))
-    return runs
-
-
-class NameScope:
-    """The names a file's fix may write (its identifiers and Python's keywords), with the masks
-    of the vocabulary each partly written name allows, cached (a group's samples, and the
-    turns of one task, ask for the same ones)."""
-
-    def __init__(self, vocabulary: VocabularyTexts, file_text: str) -> None:
-        self.vocabulary = vocabulary
-        self.names = frozenset(_IDENTIFIER.findall(file_text)) | PYTHON_NAMES
-        self.prefixes = frozenset(name[:i] for name in self.names for i in range(1, len(name)))
-        self._masks: dict[str, torch.Tensor] = {}
-
-    def _fits(self, word: str, complete: bool) -> bool:
-        if not word or word[0].isdigit():
-            return True  # a number (or nothing): the rule is about names
-        return word in self.names or (not complete and word in self.prefixes)
-
-    def mask(self, partial: str) -> torch.Tensor:
-        """Tokens that may follow a string body ending in the word characters ``partial``
-        (``""``: after any other character): every name the token completes is in scope,
-        and the one it leaves open can still become one."""
-        if partial not in self._masks:
-            keep: list[bool] = []
-            for head, quoted in zip(self.vocabulary.heads, self.vocabulary.quoted, strict=True):
-                text = partial + head
-                runs = _word_runs(text)
-                keep.append(all(self._fits(text[start:end], end < len(text) or quoted)
-                                for start, end in runs))
-            self._masks[partial] = torch.tensor(keep, dtype=torch.bool)
-        return self._masks[partial]
-
-
-class NewTextConstraint:
-    """Keeps ``replace``'s ``new`` made of names the file has, and different from ``old``.
-
-    Inside the ``new`` string every identifier the sampler completes must be one the open
-    file contains or a Python keyword (``NameScope``), and the string may not be
-    closed equal to the call's ``old`` (an edit that changes nothing). Monitor-guided decoding
-    (Agrawal et al., 2023) constrains code models to names in scope with a static analysis;
-    this is that rule for one argument, with the file's own identifiers as the scope. Numbers,
-    operators and spacing stay free, so which fix to make stays the policy's choice.
-
-    Args:
-        scope: the open file's names (``NameScope``, shared across turns of one file).
-    """
-
-    name = "edit_new"
-    """How traces name this rule (``SamplingParams.constraint``)."""
-
-    def __init__(self, scope: NameScope) -> None:
-        self.scope = scope
-
-    def allowed(self, text: str) -> torch.Tensor | None:
-        written = open_string(text, _NEW_OPEN)
-        if written is None or _odd_backslashes(written):
-            return None
-        runs = _word_runs(written)
-        partial = written[runs[-1][0]:] if runs and runs[-1][1] == len(written) else ""
-        mask = self.scope.mask(partial)
-        old = _OLD_VALUE.search(text[: len(text) - len(written)])
-        if old is not None:
-            body = old.group(1)
-            vocabulary = self.scope.vocabulary
-            same = [i for i in vocabulary.quoted_ids
-                    if written + vocabulary.heads[i] == body and bool(mask[i])]
-            if same:
-                mask = mask.clone()
-                mask[same] = False
-        return mask if bool(mask.any()) else None
 
 
 def _odd_backslashes(written: str) -> bool:
