@@ -47,7 +47,7 @@ def _bandit_trainer(root: Path, estimator: str) -> Trainer:
         "seed": 3, "steps": 1, "threads": 1, "tensorboard": False, "progress": False,
         "run_dir": str(root / "run"), "model": MODEL,
         "tasks": {"train_count": 2, "heldout_count": 1},
-        "algorithm": {"estimator": estimator},
+        "algorithm": {"estimator": estimator}, "rollout": {"show_tool_schemas": False},
         "update": {"entropy_coef": 0.0, "lr": 0.01, "micro_batch_rows": 8},
     })
     trainer = Trainer(config)
@@ -129,8 +129,8 @@ def _one_call_run(root: Path, steps: int) -> dict[str, Any]:
     config = config_from_dict({
         "seed": 1, "steps": steps, "threads": 1, "tensorboard": False, "progress": False,
         "run_dir": str(root / "run"), "model": MODEL,
-        "tasks": {"train_count": 2, "heldout_count": 2},
-        "rollout": {"tasks_per_step": 2, "group_size": 8, "max_turns": 1, "max_new_tokens": 40,
+        "tasks": {"train_count": 4, "heldout_count": 2},
+        "rollout": {"tasks_per_step": 4, "group_size": 8, "max_turns": 1, "max_new_tokens": 40,
                     "concurrency": 16, "env_workers": 1, "show_tool_schemas": False,
                     "constrain_calls": True},
         "update": {"entropy_coef": 0.0, "lr": 0.02, "micro_batch_rows": 16},
@@ -150,4 +150,5 @@ def test_a_short_run_learns_to_call_the_rewarded_tool(tmp_path: Path) -> None:
              (tmp_path / "run" / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     success = [s["success"]["mean"] for s in steps if "success" in s]
     assert len(success) == 6
-    assert sum(success[-2:]) / 2 > sum(success[:2]) / 2 + 0.2, success
+    # 32 attempts a step: the last two steps succeed clearly more often than the first two.
+    assert sum(success[-2:]) / 2 > sum(success[:2]) / 2 + 0.15, success
