@@ -63,6 +63,8 @@ class EvalSettings:
         if not 0.0 <= self.inject_faults <= 1.0:
             raise ValueError(f"inject_faults: must be a probability in [0, 1], "
                              f"got {self.inject_faults!r}")
+        if not isinstance(self.rollout, RolloutConfig):
+            raise ValueError(f"rollout: must be a RolloutConfig, got {type(self.rollout).__name__}")
         self.collector_config()  # validates the rollout's turns, tokens and sampling
 
     def collector_config(self, progress: bool = False) -> CollectorConfig:

@@ -33,6 +33,7 @@ import yaml
 
 from tracerl.core import kl_reward_penalty, loss_weights, mismatch_metrics
 from tracerl.envs import CodingEnv, Sandbox, Task, load_tasks
+from tracerl.envs.coding import task_statement
 from tracerl.envs.suite import generate_split
 from tracerl.envs.tools import parse_tool_call
 from tracerl.eval.summary import succeeded
@@ -218,6 +219,7 @@ class Trainer:
         self.actor = ActorCritic(model, config.critic, config.rollout.temperature).to(self.device)
         self.policy = HFPolicy(model, tokenizer, max_batch_size=config.rollout.concurrency)
         self.demos.bind(self.chat_tokens(), tokenizer)
+        self.check_first_prompts()
         self.optimizer = make_adamw(
             [{"params": self.actor.policy_parameters(), "lr": config.update.lr},
              {"params": self.actor.critic_parameters(), "lr": config.critic.lr}],
@@ -326,6 +328,28 @@ class Trainer:
         tools = TOOL_SCHEMAS if self.config.rollout.show_tool_schemas else None
         return ChatTokens(self.policy, tools=tools,
                           system_prompt=self.config.rollout.system_prompt)
+
+    def check_first_prompts(self, candidates: int = 8) -> int:
+        """Refuse, before any compute, a recipe whose first prompt leaves no room to act: the
+        longest task statements (train and held-out, ``candidates`` of the longest by
+        characters), rendered as the run renders them, plus one turn's ``max_turn_tokens``
+        must fit the policy's context. Returns the longest first prompt's token count."""
+        rollout = self.config.rollout
+        by_id = {t.id: t for t in (*self.train_tasks, *self.rl_tasks, *self.heldout_tasks)}
+        statements = sorted((task_statement(t) for t in by_id.values()), key=len,
+                            reverse=True)[:candidates]
+        chat = self.chat_tokens()
+        longest = max((len(chat.first_prompt(text)) for text in statements), default=0)
+        context = self.policy.context_length
+        if context is not None and longest + rollout.max_turn_tokens > context:
+            schemas = "with" if rollout.show_tool_schemas else "without"
+            raise ValueError(
+                f"rollout: the longest first prompt is {longest} tokens ({schemas} the tools' "
+                f"schemas) and a turn may add rollout.max_turn_tokens {rollout.max_turn_tokens}"
+                f", but the policy's context is {context} tokens; set "
+                "rollout.show_tool_schemas: false, a smaller rollout.max_turn_tokens, or a "
+                "larger context (model.max_positions for a tiny model)")
+        return longest
 
     # -- warm start ---------------------------------------------------------------------------
 
