@@ -870,9 +870,10 @@ class Trainer:
     def evaluate(self, label: str, policy: str = "last checkpoint",
                  steps: int | None = None) -> dict[str, Any]:
         """Held-out success with a fixed budget: K samples per task at the rollout temperature,
-        and one greedy attempt per task; hidden-test verdicts, task-level bootstrap CIs. The
-        files record ``policy`` (what the model holds) and ``steps``, the RL steps behind it
-        (default: the steps completed)."""
+        and one greedy attempt per task; hidden-test verdicts, task-level bootstrap CIs. Each
+        is :func:`tracerl.eval.evaluate.evaluate`, the function of ``tracerl eval``, with the
+        run's ``rollout`` config. The files record ``policy`` (what the model holds) and
+        ``steps``, the RL steps behind it (default: the steps completed)."""
         from tracerl.eval.evaluate import EvalSettings, evaluate
 
         tasks = self.heldout_tasks[: self.config.eval.tasks or len(self.heldout_tasks)]
