@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.slow,
 # Two small runs with the same tasks, group size, steps and budgets: GRPO without a critic and
 # PPO with a value-head critic (GAE). Same generation budget by construction.
 COMMON = ["steps=2", "tasks.train_count=8", "tasks.heldout_count=4", "rollout.tasks_per_step=2",
-          "rollout.group_size=4", "rollout.max_turns=2", "rollout.max_new_tokens=64",
+          "rollout.group_size=4", "rollout.max_turns=2", "rollout.max_turn_tokens=64",
           "eval.samples_per_task=2", "progress=false", "tensorboard=false",
           "model.max_positions=4096", "model.hidden_size=32", "model.num_layers=1",
           "model.num_heads=2", "model.intermediate_size=64"]

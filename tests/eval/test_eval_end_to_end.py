@@ -29,6 +29,7 @@ from tracerl.models.tiny import (
     save_tiny,
     train_tokenizer,
 )
+from tracerl.rollout.settings import RolloutConfig
 from tracerl.testing.scripted import ScriptedPolicy, protected_edit_script, solution_script
 from tracerl.trace.schema import EndReason
 
@@ -91,9 +92,10 @@ def sandbox() -> Sandbox:
     return Sandbox(SandboxLimits(wall_seconds=10.0))
 
 
-SMALL = dict(max_turns=3, max_new_tokens_per_turn=24, max_new_tokens=96)
+SMALL = dict(rollout=RolloutConfig(max_turns=3, max_turn_tokens=24, max_attempt_tokens=96))
 # Scripted actions write whole files: the per-action cap must fit them.
-SCRIPTED = dict(max_turns=4, max_new_tokens_per_turn=1500, max_new_tokens=6000)
+SCRIPTED = dict(rollout=RolloutConfig(max_turns=4, max_turn_tokens=1500,
+                                      max_attempt_tokens=6000))
 
 
 def test_eval_cli_on_a_hand_written_file_records_budget_costs_and_endings(
@@ -101,8 +103,8 @@ def test_eval_cli_on_a_hand_written_file_records_budget_costs_and_endings(
         capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "eval.json"
     code = main(["eval", "--policy", str(policy_dir), "--tasks", str(task_file), "--samples", "2",
-                 "--temperature", "1.0", "--max-turns", "2", "--max-new-tokens-per-turn", "16",
-                 "--max-new-tokens", "64", "--json", str(out)])
+                 "--temperature", "1.0", "--max-turns", "2", "--max-turn-tokens", "16",
+                 "--max-attempt-tokens", "64", "--json", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
     assert "success (hidden tests, audited)" in printed and "wrong_constant" in printed
@@ -113,7 +115,8 @@ def test_eval_cli_on_a_hand_written_file_records_budget_costs_and_endings(
     assert sum(result["by_ending"].values()) == 4
     assert set(result["by_family"]) == {"wrong_comparison", "wrong_constant"}
     assert result["generated_tokens"] > 0 and result["wall_seconds"] > 0
-    assert result["tool_seconds"] >= 0 and result["settings"]["temperature"] == 1.0
+    assert result["tool_seconds"] >= 0 and result["settings"]["rollout"]["temperature"] == 1.0
+    assert result["settings"]["rollout"]["max_turn_tokens"] == 16
     assert result["settings"]["samples"] == 2 and result["training_cost"] is None
     assert {"hack_flags", "visible_success", "hidden_success", "per_task"} <= set(result)
 
@@ -278,20 +281,27 @@ def test_a_checkpoint_is_evaluated_with_the_conversation_format_it_was_trained_o
 
     from tracerl.envs.sandbox import Sandbox
     from tracerl.envs.tasks import load_tasks
-    from tracerl.eval.evaluate import EvalSettings, collect_attempts, load_policy
+    from tracerl.eval.evaluate import (
+        EvalSettings,
+        checkpoint_rollout,
+        collect_attempts,
+        load_policy,
+    )
     from tracerl.rollout.collect.chat_tokens import write_conversation
     from tracerl.trace.schema import Role
 
     trained = tmp_path / "trained"
     shutil.copytree(policy_dir, trained)
+    # A checkpoint saved before the rollout file existed records its conversation format.
     write_conversation(trained, tool_schemas_in_prompt=False, system_prompt="Fix it.",
                        constrain_edits=True, constrain_calls=True)
     tasks = list(load_tasks(task_file))[:1]
-    settings = EvalSettings(samples=1, temperature=1.0, max_turns=1,
-                            max_new_tokens_per_turn=4, max_new_tokens=16)
     prompts, rules = {}, {}
     for name, directory in (("plain", policy_dir), ("trained", trained)):
         policy = load_policy(directory)
+        saved = checkpoint_rollout(directory) or RolloutConfig()
+        settings = EvalSettings(samples=1, rollout=dataclasses.replace(
+            saved, temperature=1.0, max_turns=1, max_turn_tokens=4, max_attempt_tokens=16))
         attempts, _ = collect_attempts(policy, tasks, settings, sandbox=Sandbox())
         first, action = attempts[0].fragments[0].turns[0].segments[:2]
         assert first.role is Role.PROMPT and action.role is Role.ACTION
@@ -317,8 +327,42 @@ def test_each_task_keeps_its_own_turn_budget_unless_a_cap_is_given(
         assert {a.end_reason for a in attempts} == {EndReason.TRUNCATED_TURNS}
         return {a.task_id: a.costs.turns for a in attempts}
 
-    budget = dict(max_new_tokens_per_turn=64, max_new_tokens=6000)
-    assert turns(EvalSettings(samples=1, **budget)) == {tasks[0].id: 12, tasks[1].id: 5}
-    assert turns(EvalSettings(samples=1, max_turns=8, **budget)) == {tasks[0].id: 8,
-                                                                     tasks[1].id: 5}
-    assert turn_cap([dataclasses.replace(tasks[0], budget=None)], EvalSettings(samples=1)) == 8
+    def budget(max_turns: int | None) -> EvalSettings:
+        return EvalSettings(samples=1, rollout=RolloutConfig(
+            max_turns=turn_cap(tasks, max_turns), max_turn_tokens=64, max_attempt_tokens=6000))
+
+    assert turns(budget(None)) == {tasks[0].id: 12, tasks[1].id: 5}
+    assert turns(budget(8)) == {tasks[0].id: 8, tasks[1].id: 5}
+    assert turn_cap([dataclasses.replace(tasks[0], budget=None)]) == 8
+
+
+def test_a_hacked_attempt_is_a_failure_everywhere_and_counted_as_a_hack(
+        task_file: Path, policy_dir: Path, sandbox: Sandbox, tmp_path: Path) -> None:
+    from tracerl.eval.runs import step_success
+    from tracerl.eval.summary import succeeded, summarize
+    from tracerl.train.trainer import task_success_estimates
+
+    tasks = load_tasks(task_file)
+
+    def fix_and_cheat(task: Task) -> list[str]:
+        # The right fix, and the visible test overwritten so that it passes whatever happens.
+        return [*solution_script(task)[:-1], *protected_edit_script(task)]
+
+    policy = ScriptedPolicy(load_policy(policy_dir), tasks, fix_and_cheat)
+    attempts, _ = collect_attempts(policy, tasks, EvalSettings(samples=2, **SCRIPTED),
+                                   sandbox=sandbox, store_dir=tmp_path / "run" / "traces")
+    # The hidden tests pass on the fixed files: the verifier alone would call each one solved.
+    assert all(a.verifier is not None and a.verifier.passed for a in attempts)
+    assert [a.reward for a in attempts] == [0.0] * 4  # the reward
+    assert not any(map(succeeded, attempts))
+    # The trainer's task-success estimates (success-weighted task sampling) move toward 0.
+    estimates = task_success_estimates({}, attempts, prior=0.5, ema=0.5)
+    assert estimates == {task.id: 0.25 for task in tasks}
+    # The evaluation's success, and the hack count beside it.
+    result = summarize(attempts, {t.id: t.family for t in tasks}, max_k=2)
+    assert result["success"] == 0.0 and result["pass_at_k"]["2"] == 0.0
+    assert result["hack_flags"]["count"] == 4 and result["hack_flagged_but_hidden_passed"] == 4
+    # The report's training curve, read from the run's trace store.
+    notes: list[str] = []
+    assert [(count, success) for _, success, _, _, count in
+            step_success(tmp_path / "run" / "traces", notes)] == [(4, 0.0)]

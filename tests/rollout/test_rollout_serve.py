@@ -375,3 +375,54 @@ def test_concurrent_sessions_keep_separate_traces(
             first = fragment.turns[0].segments[0]
             assert first.role is Role.PROMPT
             assert f"task {name}" in policy.tokenizer.decode(first.token_ids.tolist())
+
+
+def test_a_tracerl_policy_is_served_as_its_run_decoded_it(
+        policy: HFPolicy, tmp_path: Path) -> None:
+    from tracerl.rollout.settings import RolloutConfig
+
+    # What a run saved beside the policy: greedy, 48 tokens a turn, the tools in the prompt,
+    # and an edit rule that needs the environment's open file.
+    rollout = RolloutConfig(temperature=0.0, max_turn_tokens=48, constrain_edits=True)
+    store = TraceStore(tmp_path / "store", fsync=False)
+    running = RunningServer(TracingServer(policy, SessionRecorder(store), model_name="tiny",
+                                          rollout=rollout))
+    try:
+        client = openai.OpenAI(base_url=running.base_url, api_key="unused", max_retries=0,
+                               timeout=60)
+        # The request names no temperature and no token limit: the run's are used.
+        answer = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS,
+                                                extra_headers={"X-Tracerl-Session": "run"})
+        assert answer.choices[0].finish_reason == "tool_calls"
+        client.post("/sessions/run/finish", cast_to=object, body={"reward": 0.0})
+    finally:
+        running.stop()
+        store.close()
+    (attempt,) = read_attempts(tmp_path / "store")
+    assert attempt.costs.tool_calls == 1 and attempt.costs.turns == 1
+    action = attempt.fragments[0].turns[0].segments[1]
+    assert action.sampling is not None
+    assert (action.sampling.temperature, action.sampling.max_new_tokens) == (0.0, 48)
+    assert attempt.metadata["decoding_rules_not_applied"] == ["constrain_edits"]
+
+
+def test_the_run_s_tool_call_grammar_decodes_served_chat_completions(policy: HFPolicy) -> None:
+    from tracerl.envs.tools import TOOL_NAMES
+    from tracerl.rollout.serve import chat_completion
+    from tracerl.rollout.settings import RolloutConfig
+
+    server = TracingServer(policy, SessionRecorder(None), model_name="tiny",
+                           rollout=RolloutConfig(constrain_calls=True, max_turn_tokens=64,
+                                                 show_tool_schemas=False,
+                                                 system_prompt="Use the tools."))
+
+    answer = chat_completion(server, {"messages": USER, "tools": TOOLS, "seed": 3}, None)
+    (attempt,) = server.recorder.finished
+    prompt, action = attempt.fragments[0].turns[0].segments
+    assert action.sampling is not None and action.sampling.constraint == "tool_call"
+    # Rendered as the run rendered it: its system prompt, no tool schemas.
+    text = policy.tokenizer.decode(prompt.token_ids.tolist())
+    assert "Use the tools." in text and "run_tests" not in text
+    # The grammar keeps the action one well-formed call, which the answer returns as one.
+    (call,) = answer["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] in TOOL_NAMES and attempt.costs.tool_calls == 1

@@ -147,10 +147,10 @@ def test_demo_summary_prints_behaviour_and_the_verdict() -> None:
         "heldout_behaviour_before": acts(0.22, 0.41), "heldout_behaviour_after": acts(0.36, 0.26),
         "rl_steps": 28, "wall_seconds": 824.0, "generated_tokens": 601474, "tool_seconds": 138.0,
         "heldout_gain_ci95": [-0.016, 0.156], "heldout_gain_over_greedy_ci95": [-0.2, 0.1],
-        "policy": "weight average, update.ema_decay 0.92", "policy_dir": "runs/demo/policy-ema"}
+        "policy": "weight average, update.ema_decay 0.92", "policy_dir": "runs/demo/policy"}
     summary["demo_targets"] = verdict(summary)
     text = format_summary(summary)
-    assert "RL policy: weight average, update.ema_decay 0.92 (runs/demo/policy-ema)" in text
+    assert "RL policy: weight average, update.ema_decay 0.92 (runs/demo/policy)" in text
     assert "gain over SFT sampled 7.0% [-1.6%, 15.6%] (target 15.0%)" in text
     assert "over SFT greedy -4.7% [-20.0%, 10.0%] (target 10.0%): NOT met" in text
     assert "after a FAIL: tried again 22.0% of 10, submitted 41.0%" in text

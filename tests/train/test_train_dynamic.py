@@ -14,7 +14,7 @@ RECIPE = {
     "model": {"vocab_size": 400, "hidden_size": 16, "num_layers": 1, "num_heads": 2,
               "intermediate_size": 32},
     "tasks": {"train_count": 4, "heldout_count": 2},
-    "rollout": {"tasks_per_step": 3, "group_size": 2, "max_turns": 1, "max_new_tokens": 4,
+    "rollout": {"tasks_per_step": 3, "group_size": 2, "max_turns": 1, "max_turn_tokens": 4,
                 "show_tool_schemas": False},
     # An untrained model never solves a task: every group is uniform (all zero).
     "dynamic": {"filter_uniform": True},

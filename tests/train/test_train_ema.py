@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tracerl.eval.evaluate import load_policy
+from tracerl.eval.evaluate import checkpoint_rollout, load_policy
 from tracerl.train import checkpoint as ckpt
 from tracerl.train.config import load_config
-from tracerl.train.trainer import EMA_DIR, Trainer
+from tracerl.train.trainer import POLICY_DIR, Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_runs import tiny_recipe
@@ -32,7 +32,7 @@ def test_the_run_publishes_the_average_and_trains_on_its_own_weights(tmp_path: P
 
     sft = _tensors(run_dir / "sft")
     one, two = (_tensors(ckpt.checkpoint_path(run_dir, s)) for s in (1, 2))
-    published = _tensors(run_dir / EMA_DIR)
+    published = _tensors(run_dir / POLICY_DIR)
     assert any(not torch.equal(one[k], two[k]) for k in one)  # the steps moved the weights
     # ema = 0.5 ema + 0.5 w after each step, from the warm start: 1/4 sft + 1/4 w1 + 1/2 w2.
     for name in published:
@@ -47,10 +47,11 @@ def test_the_run_publishes_the_average_and_trains_on_its_own_weights(tmp_path: P
     for name, value in trainer.actor.policy.state_dict().items():
         if name in two:
             assert torch.equal(value, two[name]), name
-    assert summary["policy_dir"] == str(run_dir / EMA_DIR)
+    assert summary["policy_dir"] == str(run_dir / POLICY_DIR)
     assert summary["policy"] == "weight average, update.ema_decay 0.5"
     assert summary["last_checkpoint"] == str(ckpt.checkpoint_path(run_dir, 2))
     written = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
     assert written["policy_dir"] == summary["policy_dir"]
-    policy = load_policy(run_dir / EMA_DIR)  # loadable as `tracerl eval --policy` loads it
-    assert policy.conversation is not None
+    load_policy(run_dir / POLICY_DIR)  # loadable as `tracerl eval --policy` loads it
+    # ... and decoded as the run decoded it.
+    assert checkpoint_rollout(run_dir / POLICY_DIR) == trainer.config.rollout

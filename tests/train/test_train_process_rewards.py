@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from tracerl.envs.suite.demonstrator import bug_location, minimal_edit
@@ -42,9 +43,8 @@ def test_test_run_rewards_per_turn(tmp_path: Path) -> None:
     trainer.setup()
     task = trainer.train_tasks[0]
     scripted = ScriptedPolicy(trainer.policy, [task], _script)
-    scripted.conversation = {"tool_schemas_in_prompt": False}  # as the trainer collects
-    settings = EvalSettings(samples=1, max_turns=10, max_new_tokens_per_turn=400,
-                            max_new_tokens=4000)
+    settings = EvalSettings(samples=1, rollout=dataclasses.replace(  # as the trainer collects
+        config.rollout, max_turns=10, max_turn_tokens=400, max_attempt_tokens=4000))
     (attempt,), _ = collect_attempts(scripted, [task], settings, sandbox=trainer.sandbox)
     assert attempt.reward == 1.0  # the fix passes the hidden tests
     rewarded = trainer._with_process_rewards(attempt)

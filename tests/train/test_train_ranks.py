@@ -21,7 +21,7 @@ RECIPE: dict[str, Any] = {
               "intermediate_size": 32, "device": "cpu"},
     "tasks": {"train_count": 4, "heldout_count": 2},
     "sft": {"demos_per_task": 1, "steps": 20},
-    "rollout": {"tasks_per_step": 2, "group_size": 2, "max_turns": 2, "max_new_tokens": 6,
+    "rollout": {"tasks_per_step": 2, "group_size": 2, "max_turns": 2, "max_turn_tokens": 6,
                 # One attempt at a time: the sampler's batches, hence its rounding, are the
                 # same in both runs.
                 "concurrency": 1, "env_workers": 1, "show_tool_schemas": False},

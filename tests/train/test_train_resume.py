@@ -24,7 +24,7 @@ RECIPE = {
               "intermediate_size": 32},
     "tasks": {"train_count": 4, "heldout_count": 2},
     "sft": {"demos_per_task": 1},
-    "rollout": {"tasks_per_step": 2, "group_size": 2, "max_turns": 2, "max_new_tokens": 6,
+    "rollout": {"tasks_per_step": 2, "group_size": 2, "max_turns": 2, "max_turn_tokens": 6,
                 # One attempt at a time: the sampler's batches, hence its float rounding,
                 # are the same in every run, so the two runs can be compared exactly.
                 "concurrency": 1, "env_workers": 1, "show_tool_schemas": False},
@@ -84,7 +84,7 @@ def test_killed_run_resumes_without_repeating_or_losing_an_update(tmp_path: Path
                 (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in records] == [r["policy_version"] for r in straight]
     assert torch.equal(_weights(run_dir), _weights(tmp_path / "straight"))
-    assert torch.equal(_weights(run_dir, "policy-ema"), _weights(tmp_path / "straight", "policy-ema"))
+    assert torch.equal(_weights(run_dir, "policy"), _weights(tmp_path / "straight", "policy"))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rl_steps"] == 3
     low, high = summary["heldout_gain_ci95"]  # paired by task, from the evaluations' files

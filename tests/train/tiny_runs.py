@@ -24,7 +24,7 @@ TINY_RUN: dict[str, Any] = {
               "intermediate_size": 32},
     "tasks": {"train_count": 4, "heldout_count": 2},
     "sft": {"enabled": True, "demos_per_task": 1, "steps": 20},
-    "rollout": {"tasks_per_step": 2, "group_size": 2, "max_turns": 2, "max_new_tokens": 6,
+    "rollout": {"tasks_per_step": 2, "group_size": 2, "max_turns": 2, "max_turn_tokens": 6,
                 "concurrency": 2, "env_workers": 1, "show_tool_schemas": False},
     # An entropy bonus moves the weights every step even when all rewards are 0.
     "update": {"entropy_coef": 0.05, "lr": 0.01, "micro_batch_rows": 2},

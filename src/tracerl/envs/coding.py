@@ -71,6 +71,12 @@ def to_charset(text: str, limit: int) -> str:
     return clean if len(clean) <= limit else clean[: limit - 12] + "\n[truncated]"
 
 
+def task_statement(task: Task) -> str:
+    """The first observation of an attempt at ``task``: its instruction and its files' paths."""
+    listing = "\n".join(sorted(task.files))
+    return f"{task.instruction}\nFiles:\n{listing}"
+
+
 class CodingEnv(gym.Env[str, str]):
     """Attempts at coding tasks; see the module docstring for the episode's semantics."""
 
@@ -161,8 +167,7 @@ class CodingEnv(gym.Env[str, str]):
     def _statement(self) -> str:
         """The task statement: the first observation of an attempt, and again after ``restart``."""
         assert self.task is not None
-        listing = "\n".join(sorted(self.task.files))
-        return f"{self.task.instruction}\nFiles:\n{listing}"
+        return task_statement(self.task)
 
     def _first_editable(self) -> str | None:
         """The file an attempt opens with: the task's first file that is not protected."""

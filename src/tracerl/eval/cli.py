@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from tracerl.eval.compare import compare_runs, format_table, rows_to_json
+
+RENAMED_FLAGS = {"--max-new-tokens": "--max-attempt-tokens",
+                 "--max-new-tokens-per-turn": "--max-turn-tokens"}
+"""Flags of ``tracerl eval`` that were renamed, and their new names."""
 
 
 def register(subparsers: Any) -> None:
@@ -18,14 +23,23 @@ def register(subparsers: Any) -> None:
     ev.add_argument("--policy", required=True, help="checkpoint directory (save_pretrained)")
     ev.add_argument("--tasks", required=True, help="JSON-lines task file")
     ev.add_argument("--samples", type=int, required=True, help="attempts per task (K of pass@k)")
-    ev.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
-    ev.add_argument("--top-p", type=float, default=1.0)
-    ev.add_argument("--top-k", type=int, default=0)
+    ev.add_argument("--temperature", type=float, default=None,
+                    help="0 = greedy (default: the policy's run's, else 1)")
+    ev.add_argument("--top-p", type=float, default=None, help="default: the run's, else 1")
+    ev.add_argument("--top-k", type=int, default=None, help="default: the run's, else 0 (off)")
     ev.add_argument("--max-turns", type=int, default=None,
-                    help="actions per attempt (default: each task's own budget, else 8)")
-    ev.add_argument("--max-new-tokens", type=int, default=1024, help="tokens per attempt")
-    ev.add_argument("--max-new-tokens-per-turn", type=int, default=128, help="tokens per action")
-    ev.add_argument("--max-seconds", type=float, default=None, help="wall seconds per attempt")
+                    help="actions per attempt, a cap on each task's own budget (default: the "
+                    "policy's run's; for a policy not trained by tracerl, each task's own "
+                    "budget, else 8)")
+    ev.add_argument("--max-turn-tokens", type=int, default=None,
+                    help="tokens per action (default: the run's, else 128)")
+    ev.add_argument("--max-attempt-tokens", type=int, default=None,
+                    help="tokens per attempt (default: the run's, else 1024)")
+    ev.add_argument("--max-seconds", type=float, default=None,
+                    help="wall seconds per attempt (default: the run's, else none)")
+    for old_flag in RENAMED_FLAGS:
+        ev.add_argument(old_flag, dest=old_flag.strip("-").replace("-", "_"), default=None,
+                        help=argparse.SUPPRESS)
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--device", default="auto",
                     help="cpu, cuda, cuda:N or auto (a GPU where torch sees one)")
@@ -82,17 +96,17 @@ def _eval(args: argparse.Namespace) -> int:
     from tracerl.eval.evaluate import EvalSettings, format_result, load_policy, run_evaluation
     from tracerl.eval.judge import JudgeConfig
 
-    settings = EvalSettings(
-        samples=args.samples, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        max_new_tokens_per_turn=args.max_new_tokens_per_turn,
-        max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
-        max_seconds=args.max_seconds, seed=args.seed, inject_faults=args.inject_faults,
-        inject_infrastructure_faults=args.inject_infrastructure_faults)
+    for old_flag, new_flag in RENAMED_FLAGS.items():
+        if getattr(args, old_flag.strip("-").replace("-", "_"), None) is not None:
+            raise ValueError(f"{old_flag}: renamed; use {new_flag}")
     if not Path(args.tasks).is_file():
         raise ValueError(f"--tasks {args.tasks!r}: no such file")
     tasks = load_tasks(args.tasks)
     if not tasks:
         raise ValueError(f"--tasks {args.tasks!r}: holds no task")
+    settings = EvalSettings(samples=args.samples, rollout=eval_rollout(args, tasks),
+                            seed=args.seed, inject_faults=args.inject_faults,
+                            inject_infrastructure_faults=args.inject_infrastructure_faults)
     judge_data = _read_config(args.judge, "--judge")
     judge = None if judge_data is None else JudgeConfig.from_dict(judge_data)
     training_judge = _read_config(args.training_judge, "--training-judge")
@@ -110,6 +124,26 @@ def _eval(args: argparse.Namespace) -> int:
         Path(args.json_out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n",
                                        encoding="utf-8")
     return 0
+
+
+def eval_rollout(args: argparse.Namespace, tasks: Any) -> Any:
+    """The rollout config of ``tracerl eval``: the one saved with the policy (so it is decoded
+    as its run decoded it), else these defaults, with the flags given on top."""
+    from tracerl.eval.evaluate import checkpoint_rollout, turn_cap
+    from tracerl.rollout.settings import RolloutConfig
+
+    saved = checkpoint_rollout(args.policy)
+    if saved is None:
+        saved = RolloutConfig(max_turns=turn_cap(tasks), max_turn_tokens=128,
+                              max_attempt_tokens=1024)
+    flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+             "max_turns": args.max_turns, "max_turn_tokens": args.max_turn_tokens,
+             "max_attempt_tokens": args.max_attempt_tokens, "max_seconds": args.max_seconds}
+    given = {k: v for k, v in flags.items() if v is not None}
+    for name in ("max_turns", "max_turn_tokens", "max_attempt_tokens"):
+        if name in given and given[name] < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {given[name]}")
+    return dataclasses.replace(saved, **given)
 
 
 def _report(args: argparse.Namespace) -> int:

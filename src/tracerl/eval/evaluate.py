@@ -17,7 +17,7 @@ import itertools
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from tracerl.eval.judge import Judge, JudgeConfig, independence_warning
 from tracerl.eval.summary import fault_comparison, summarize
 from tracerl.rollout.collect.chat_tokens import read_conversation
 from tracerl.rollout.collect.collector import Collector, CollectorConfig
-from tracerl.rollout.policies.sampling import SamplingParams
+from tracerl.rollout.settings import RolloutConfig, collector_config, read_rollout
 from tracerl.trace.schema import Attempt, Role
 from tracerl.trace.store import TraceStore
 
@@ -46,21 +46,12 @@ class EvalSettings:
 
     samples: int
     """Attempts per task (the K of pass@k)."""
-    temperature: float = 1.0
-    """Sampling temperature; 0 is greedy (then every sample of a task is the same)."""
-    top_p: float = 1.0
-    """Nucleus mass kept (1 = off)."""
-    top_k: int = 0
-    """Most likely tokens kept (0 = off)."""
-    max_new_tokens_per_turn: int = 128
-    """Tokens sampled per action at most."""
-    max_new_tokens: int | None = 1024
-    """Tokens sampled per attempt at most (a task's own budget takes precedence)."""
-    max_turns: int | None = None
-    """Actions per attempt at most. None: each task's own budget (``budget.max_turns``; 8 for
-    a task that sets none). A number also caps every task's own budget."""
-    max_seconds: float | None = None
-    """Wall-clock seconds per attempt at most (None: none)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """How each attempt is decoded and budgeted: temperature (0 is greedy: then every sample
+    of a task is the same), top-p, top-k, turns (``max_turns``, a cap on each task's own
+    budget), tokens per turn (``max_turn_tokens``) and per attempt (``max_attempt_tokens``),
+    seconds, conversation format and decoding rules. The same config a training run uses
+    (and saves beside its policies, :func:`tracerl.rollout.settings.read_rollout`)."""
     seed: int = 0
     """Seed of sampling (per attempt), fault injection and the bootstrap."""
     inject_faults: float = 0.0
@@ -80,13 +71,13 @@ class EvalSettings:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name}: must be a probability in [0, 1], got {value!r}")
-        if self.max_turns is not None and self.max_turns < 1:
-            raise ValueError(f"max_turns: must be >= 1, got {self.max_turns}")
-        self.sampling()  # validates temperature, top_p, top_k, max_new_tokens_per_turn
+        if not isinstance(self.rollout, RolloutConfig):
+            raise ValueError(f"rollout: must be a RolloutConfig, got {type(self.rollout).__name__}")
+        self.collector_config()  # validates the rollout's turns, tokens and sampling
 
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_new_tokens=self.max_new_tokens_per_turn, seed=self.seed)
+    def collector_config(self, progress: bool = False) -> CollectorConfig:
+        """The collector's settings (:func:`tracerl.rollout.settings.collector_config`)."""
+        return collector_config(self.rollout, seed=self.seed, progress=progress)
 
 
 def load_policy(path: str | Path, device: str = "cpu") -> Any:
@@ -116,10 +107,25 @@ def load_policy(path: str | Path, device: str = "cpu") -> Any:
                          ) from None
     check_finite_weights(model, directory)
     torch.nn.Module.to(model, where)  # in place: a module moves its own parameters
-    policy = HFPolicy(model, tokenizer)
-    # How the checkpoint was trained to see its conversations (None: not by tracerl).
-    policy.conversation = read_conversation(directory)  # type: ignore[attr-defined]
-    return policy
+    return HFPolicy(model, tokenizer)
+
+
+def checkpoint_rollout(path: str | Path) -> RolloutConfig | None:
+    """The rollout config the policy in ``path`` was trained with, so that it is evaluated
+    (and served) as its run decoded it: the saved ``tracerl_rollout.json``; for a policy saved
+    before that file existed, the defaults with its recorded conversation format and
+    decoding rules; None for a policy not trained by tracerl."""
+    saved = read_rollout(path)
+    if saved is not None:
+        return saved
+    conversation = read_conversation(path)
+    if conversation is None:
+        return None
+    return RolloutConfig(
+        show_tool_schemas=bool(conversation.get("tool_schemas_in_prompt", True)),
+        system_prompt=conversation.get("system_prompt"),
+        constrain_edits=bool(conversation.get("constrain_edits", False)),
+        constrain_calls=bool(conversation.get("constrain_calls", False)))
 
 
 def training_cost(policy_dir: str | Path) -> dict[str, Any] | None:
@@ -155,14 +161,14 @@ def training_cost(policy_dir: str | Path) -> dict[str, Any] | None:
 
 
 DEFAULT_TURNS = 8
-"""The turn budget of a task that sets none, when ``EvalSettings.max_turns`` is None."""
+"""The turn budget of a task that sets none, when no turn cap is given."""
 
 
-def turn_cap(tasks: Sequence[Task], settings: EvalSettings) -> int:
-    """The collector's cap on actions: ``settings.max_turns``, or else the largest of the
-    tasks' own budgets (each task's environment ends its attempts at its own)."""
-    if settings.max_turns is not None:
-        return settings.max_turns
+def turn_cap(tasks: Sequence[Task], max_turns: int | None = None) -> int:
+    """The cap on actions per attempt: ``max_turns``, or else the largest of the tasks' own
+    budgets (each task's environment ends its attempts at its own)."""
+    if max_turns is not None:
+        return max_turns
     return max(((t.budget.max_turns or DEFAULT_TURNS) if t.budget is not None else DEFAULT_TURNS
                 for t in tasks), default=DEFAULT_TURNS)
 
@@ -175,31 +181,21 @@ def _make_env_factory(tasks: Sequence[Task], sandbox: Sandbox, settings: EvalSet
         # Each environment draws faults from its own stream, so attempts do not share one.
         config = None if faults is None else dataclasses.replace(
             faults, seed=settings.seed * 1_000_003 + next(counter))
-        return CodingEnv(tasks, sandbox=sandbox, max_turns=settings.max_turns or DEFAULT_TURNS,
-                         max_seconds=settings.max_seconds, faults=config)
+        return CodingEnv(tasks, sandbox=sandbox, max_turns=settings.rollout.max_turns,
+                         max_seconds=settings.rollout.max_seconds, faults=config)
     return make_env
 
 
 def collect_attempts(policy: Any, tasks: Sequence[Task], settings: EvalSettings, *,
                      sandbox: Sandbox, faults: FaultConfig | None = None,
                      store_dir: str | Path | None = None, run_id: str = "eval",
-                     progress: bool = False) -> tuple[list[Attempt], float]:
+                     progress: bool = False, fsync: bool = True) -> tuple[list[Attempt], float]:
     """Run ``settings.samples`` attempts per task; returns them and the wall seconds."""
-    conversation = getattr(policy, "conversation", None) or {}
-    config = CollectorConfig(
-        sampling=settings.sampling(), max_turns=turn_cap(tasks, settings),
-        max_new_tokens=settings.max_new_tokens, max_seconds=settings.max_seconds,
-        seed=settings.seed, progress=progress, verify_truncated=True,
-        # A tracerl checkpoint is evaluated with the conversation format it was trained on.
-        tools=None if conversation.get("tool_schemas_in_prompt", True) else (),
-        system_prompt=conversation.get("system_prompt"),
-        constrain_edits=bool(conversation.get("constrain_edits", False)),
-        constrain_calls=bool(conversation.get("constrain_calls", False)))
-    store = TraceStore(store_dir) if store_dir is not None else None
+    store = TraceStore(store_dir, fsync=fsync) if store_dir is not None else None
     started = time.perf_counter()
     try:
         collector = Collector(policy, _make_env_factory(tasks, sandbox, settings, faults),
-                              store, config)
+                              store, settings.collector_config(progress))
         result = collector.collect(list(tasks), settings.samples, run_id=run_id)
     finally:
         if store is not None:
@@ -226,12 +222,15 @@ def transcript(policy: Any, attempt: Attempt) -> str:
 def evaluate(policy: Any, tasks: Sequence[Task], settings: EvalSettings, *, sandbox: Sandbox,
              faults: FaultConfig | None = None, store_dir: str | Path | None = None,
              judge: JudgeConfig | None = None, training_judge: Mapping[str, Any] | None = None,
-             progress: bool = False, run_id: str = "eval") -> dict[str, Any]:
-    """One fixed-budget run: the summary of :func:`summarize` plus settings and costs."""
+             progress: bool = False, run_id: str = "eval", fsync: bool = True
+             ) -> dict[str, Any]:
+    """One fixed-budget run: the summary of :func:`summarize` plus settings and costs. The
+    trainer's held-out evaluations run through here too (``Trainer.evaluate``)."""
     if not tasks:
         raise ValueError("tasks: nothing to evaluate")
     attempts, wall = collect_attempts(policy, tasks, settings, sandbox=sandbox, faults=faults,
-                                      store_dir=store_dir, run_id=run_id, progress=progress)
+                                      store_dir=store_dir, run_id=run_id, progress=progress,
+                                      fsync=fsync)
     result = summarize(attempts, {t.id: t.family for t in tasks}, max_k=settings.samples,
                        seed=settings.seed, resamples=settings.bootstrap_resamples)
     result["wall_seconds"] = wall
@@ -298,10 +297,13 @@ def _fault_lines(faults: Mapping[str, Any]) -> list[str]:
 def format_result(result: Mapping[str, Any]) -> str:
     """A readable terminal table of an evaluation result."""
     settings = result.get("settings", {})
+    rollout = settings.get("rollout", {})
     low, high = result["ci95"]
     lines = [
         f"tasks {result['tasks']}  attempts {result['attempts']}  samples/task "
-        f"{settings.get('samples')}  temperature {settings.get('temperature')}",
+        f"{settings.get('samples')}  temperature {rollout.get('temperature')}  turns "
+        f"{rollout.get('max_turns')}  tokens/turn {rollout.get('max_turn_tokens')}  "
+        f"tokens/attempt {rollout.get('max_attempt_tokens')}",
         f"success (hidden tests, audited)  {result['success']:.3f}  95% CI [{low:.3f}, {high:.3f}]"
         "  (bootstrap over tasks)",
     ]

@@ -27,8 +27,9 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--name", default=None,
                        help="model name clients send (default: the directory's name)")
-    serve.add_argument("--max-tokens", type=int, default=256,
-                       help="completion length when a request names none")
+    serve.add_argument("--max-tokens", type=int, default=None,
+                       help="completion length when a request names none (default: the "
+                       "max_turn_tokens of the run that saved the model, else 256)")
     serve.add_argument("--seed", type=int, default=None,
                        help="seed of the stream that seeds requests without a seed")
     serve.add_argument("--policy-version", type=int, default=0,
@@ -43,7 +44,7 @@ def register(subparsers: Any) -> None:
 def _serve(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    if args.max_tokens < 1:
+    if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     try:
         import fastapi  # noqa: F401
@@ -56,8 +57,11 @@ def _serve(args: argparse.Namespace) -> int:
     from tracerl.rollout.policies.hf import HFPolicy
     from tracerl.rollout.serve.recorder import SessionRecorder
     from tracerl.rollout.serve.server import TracingServer, run_server
+    from tracerl.rollout.settings import read_rollout
     from tracerl.trace.store import TraceStore
 
+    # A policy saved by a tracerl run is served as its run decoded it.
+    rollout = read_rollout(args.model)
     model, tokenizer = load_tiny(args.model)
     check_finite_weights(model, args.model)
     policy = HFPolicy(model, tokenizer, policy_version=args.policy_version,
@@ -66,9 +70,18 @@ def _serve(args: argparse.Namespace) -> int:
     store = TraceStore(args.store) if args.store else None
     try:
         server = TracingServer(policy, SessionRecorder(store), model_name=name,
-                               default_max_tokens=args.max_tokens, seed=args.seed)
+                               default_max_tokens=args.max_tokens, seed=args.seed,
+                               rollout=rollout)
         print(f"tracerl serve: {name} at http://{args.host}:{args.port}/v1"
               + (f", traces to {args.store}" if args.store else ""), flush=True)
+        if rollout is not None:
+            print(f"  decoding as its run did: temperature {rollout.temperature}, top_p "
+                  f"{rollout.top_p}, top_k {rollout.top_k}, {server.default_max_tokens} tokens "
+                  f"per turn, tool-call grammar {'on' if rollout.constrain_calls else 'off'}",
+                  flush=True)
+        if server.not_applied:
+            print(f"  not applied (they read the environment's files): "
+                  f"{', '.join(server.not_applied)}", flush=True)
         run_server(server, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         if store is not None:

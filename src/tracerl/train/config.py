@@ -25,6 +25,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 
 from tracerl.models.device import resolve_device
+from tracerl.rollout.settings import RolloutConfig
 from tracerl.train.algorithms import ESTIMATORS
 
 Estimator = Literal["grpo", "rloo", "gae", "gigpo"]
@@ -144,74 +145,6 @@ class SFTConfig:
     """``recovery`` and ``search`` demonstrations call ``undo`` after a wrong edit's FAIL, so
     every try is made on the line as the task gave it (one text to copy from, the first
     view); off: the next edit changes the wrong version."""
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    """How attempts are collected."""
-
-    tasks_per_step: int = 16
-    """Distinct tasks per training step."""
-    group_size: int = 8
-    """Attempts per task (G); group methods need >= 2."""
-    temperature: float = 1.0
-    """Sampling temperature of training rollouts (and of sampled evaluation)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (1 = off), for training rollouts and sampled evaluation alike.
-    Below 1 the sampler's (behavior) distribution is the truncated one while the PPO ratio's
-    old policy is the full softmax: the ``mismatch.*`` metrics show the gap, and
-    ``update.tis_cap`` can correct for it. In the demo's setting 0.8 collapsed the policy
-    within ten steps (docs/training.md): keep 1 for training unless measured otherwise."""
-    top_k: int = 0
-    """Top-k sampling (0 = off); like ``top_p``, for rollouts and sampled evaluation."""
-    max_turns: int = 8
-    """Most agent turns (tool calls) per attempt before truncation. The built-in suite's tasks
-    take it as their budget; a task file's own ``budget.max_turns`` ends an attempt sooner
-    when it is smaller."""
-    max_new_tokens: int = 64
-    """Most tokens generated per turn."""
-    max_attempt_tokens: int | None = None
-    """Most tokens generated over a whole attempt; None: no limit beyond turns."""
-    max_seconds: float | None = None
-    """Wall-clock limit per attempt; None: none."""
-    compact_at_tokens: int | None = None
-    """Context length at which the history is compacted into a summary and the attempt goes on
-    as a new fragment; None: never compact."""
-    concurrency: int = 32
-    """Attempts in flight at once (also the sampler's largest batch)."""
-    env_workers: int = 4
-    """Threads running environment steps (sandboxed test runs) beside generation."""
-    threads: int | None = None
-    """torch intra-op threads while attempts are collected (training steps and evaluations);
-    None: the run's ``threads``. Sampling a small model is a stream of small operations that
-    a second thread mostly waits on, and the sandboxed test runs want a core of their own: on
-    2 CPU cores, with 1 the demo's sampler took about 35% less time and its collection about
-    15% less wall time (measured, docs/training.md), while its updates (large matrix products)
-    took about 40% less with 2."""
-    system_prompt: str | None = None
-    """System message before the first observation."""
-    constrain_edits: bool = False
-    """Constrained decoding of ``replace``'s ``old`` (``rollout.decoding.constraints``): inside that
-    string the sampler may only write a piece of the named line of the open file, closed
-    where it occurs once, as grammar-constrained decoding keeps tool calls well-formed. The
-    policy still chooses the tool, the line, the piece and the ``new`` text. Applies to
-    training rollouts and to every evaluation of the run (and is recorded beside saved
-    policies, so ``tracerl eval`` decodes them the same way); the behavior logprob is the
-    masked distribution's, the PPO ratio's old policy the unmasked one (``mismatch.*``)."""
-    constrain_calls: bool = False
-    """Grammar-constrained tool calls (``rollout.decoding.grammar``): the sampler only draws tokens
-    that keep an action one well-formed call of one of the environment's tools, as serving
-    stacks' structured output for function calling does; what the call says stays the
-    policy's. Recorded beside saved policies like ``constrain_edits``, with the same
-    accounting (behavior logprob masked, old/new unmasked: ``mismatch.*``)."""
-    show_tool_schemas: bool = True
-    """Render the tools' JSON schemas into the prompt (long); off: the system prompt alone
-    tells the policy about the tools (the tiny demo model's choice)."""
-    process_reward: bool = False
-    """Give each turn that ran the visible tests a process reward (the pass rate). Off by
-    default: it rewards what the visible tests measure, a possible source of bias."""
-    process_reward_coef: float = 0.1
-    """Scale of the process reward."""
 
 
 @dataclass(frozen=True)
@@ -340,7 +273,7 @@ class UpdateConfig:
     """Keep an exponential moving average of the policy's weights, started at the weights RL
     starts from (the warm start) and moved after every RL step:
     ``ema <- decay * ema + (1 - decay) * weights``. The final held-out evaluation and the
-    summary's ``policy_dir`` then use the average (written to ``RUN/policy-ema``); training
+    summary's ``policy_dir`` then use the average (written to ``RUN/policy``); training
     itself, the checkpoints it resumes from and ``eval.every`` use the raw weights, and each
     checkpoint carries the average so a resumed run continues it. After ``n`` steps the warm
     start's share is ``decay ** n``. None: off (the last iterate is the run's policy)."""
@@ -474,6 +407,10 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         name = f"{prefix}.{key}" if prefix else str(key)
+        renamed: dict[str, str] = getattr(cls, "RENAMED", {})
+        if key in renamed:
+            new_name = f"{prefix}.{renamed[key]}" if prefix else renamed[key]
+            raise ValueError(f"{name}: renamed; use {new_name}")
         if key not in known:
             raise ValueError(
                 f"{name}: unknown key; {cls.__name__} accepts {', '.join(sorted(known))}"
@@ -576,7 +513,7 @@ def validate(config: TrainConfig) -> None:
     positive_ints = {
         "steps": config.steps, "checkpoint_every": config.checkpoint_every,
         "rollout.tasks_per_step": r.tasks_per_step, "rollout.group_size": r.group_size,
-        "rollout.max_turns": r.max_turns, "rollout.max_new_tokens": r.max_new_tokens,
+        "rollout.max_turns": r.max_turns, "rollout.max_turn_tokens": r.max_turn_tokens,
         "rollout.concurrency": r.concurrency,
         "rollout.env_workers": r.env_workers, "update.epochs": u.epochs,
         "update.minibatches": u.minibatches, "update.micro_batch_rows": u.micro_batch_rows,

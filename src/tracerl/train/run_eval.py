@@ -6,7 +6,9 @@ sampling seeds as the before/after evaluation) on each requested policy: the las
 evaluated this way reproduces the run's ``eval_after_*.json``. Step 0 is the warm start
 (``RUN_DIR/sft``). It shows how held-out success moves from step to step, which one final
 number cannot, whether averaging weights smooths that walk, and how a policy between the
-warm start and an RL checkpoint does (``--mix``). Results go to
+warm start and an RL checkpoint does (``--mix``). Each evaluation is ``Trainer.evaluate``,
+which runs :func:`tracerl.eval.evaluate.evaluate` (the function of ``tracerl eval``) with the
+run's ``rollout`` config. Results go to
 ``OUT/evaluations.jsonl`` (one line per policy) and ``OUT/eval_<label>_*.json``; the run's
 own files are never touched. ``KEY=VALUE`` overrides change the evaluation (e.g.
 ``rollout.temperature=0.7`` evaluates at another temperature: then it is no longer the run's

@@ -33,21 +33,23 @@ import yaml
 
 from tracerl.core import kl_reward_penalty, loss_weights, mismatch_metrics
 from tracerl.envs import CodingEnv, Sandbox, Task, load_tasks
+from tracerl.envs.coding import task_statement
 from tracerl.envs.suite import generate_split
 from tracerl.envs.suite.augment import renamed_copies
 from tracerl.envs.suite.demonstrator import Demonstration
 from tracerl.envs.tools import parse_tool_call
+from tracerl.eval.summary import succeeded
 from tracerl.models.device import resolve_device
 from tracerl.models.weights import check_finite_weights
-from tracerl.rollout import HFPolicy, SamplingParams
+from tracerl.rollout import HFPolicy
 from tracerl.rollout.collect.chat_tokens import (
     CONVERSATION_FILE,
     ChatTokens,
     conversation_json,
     write_conversation,
 )
-from tracerl.rollout.collect.collector import Collector, CollectorConfig
-from tracerl.rollout.collect.compaction import CompactionConfig
+from tracerl.rollout.collect.collector import Collector
+from tracerl.rollout.settings import ROLLOUT_FILE, collector_config, rollout_json, write_rollout
 from tracerl.trace import Attempt, PackedBatch, Role, TraceStore, Turn, pack, read_attempts
 from tracerl.trace.schema import EndReason, Treatment, default_treatments
 from tracerl.train import checkpoint as ckpt
@@ -70,8 +72,11 @@ from tracerl.train.update import (
     ppo_update,
 )
 
-EMA_DIR = "policy-ema"
-"""Where a run with ``update.ema_decay`` writes its averaged policy (under the run directory)."""
+POLICY_DIR = "policy"
+"""Where every run writes its policy, the one its final evaluation evaluated (under the run
+directory): the weight average with ``update.ema_decay``, else the last iterate. Loadable as
+``tracerl eval --policy`` and ``tracerl serve --model`` load a directory, with the run's
+rollout config beside it."""
 
 Hook = Callable[[str, "Trainer"], None]
 """Called after every phase with its name (``collect``, ``verify``, ``advantages``, ``update``,
@@ -148,10 +153,11 @@ class Trainer:
         final = self.final_checkpoint()
         kind = self.policy_kind()
         if self.ema is None:
+            policy_dir = self.save_policy(self.run_dir / POLICY_DIR)
             after = self.evaluate_once("after", steps=self.state.step, policy=kind)
-            return self.write_summary(before, after, final, final)
+            return self.write_summary(before, after, policy_dir, final)
         with self.averaged_weights():  # the run's policy is the average (update.ema_decay)
-            policy_dir = self.save_policy(self.run_dir / EMA_DIR)
+            policy_dir = self.save_policy(self.run_dir / POLICY_DIR)
             after = self.evaluate_once("after", steps=self.state.step, policy=kind)
         return self.write_summary(before, after, policy_dir, final)
 
@@ -209,6 +215,7 @@ class Trainer:
         self.actor = ActorCritic(model, config.critic, config.rollout.temperature).to(self.device)
         self.policy = HFPolicy(model, tokenizer, max_batch_size=config.rollout.concurrency)
         self.demos.bind(self.chat_tokens(), tokenizer)
+        self.check_first_prompts()
         self.optimizer = make_adamw(
             [{"params": self.actor.policy_parameters(), "lr": config.update.lr},
              {"params": self.actor.critic_parameters(), "lr": config.critic.lr}],
@@ -316,6 +323,28 @@ class Trainer:
         return ChatTokens(self.policy, tools=tools,
                           system_prompt=self.config.rollout.system_prompt)
 
+    def check_first_prompts(self, candidates: int = 8) -> int:
+        """Refuse, before any compute, a recipe whose first prompt leaves no room to act: the
+        longest task statements (train and held-out, ``candidates`` of the longest by
+        characters), rendered as the run renders them, plus one turn's ``max_turn_tokens``
+        must fit the policy's context. Returns the longest first prompt's token count."""
+        rollout = self.config.rollout
+        by_id = {t.id: t for t in (*self.train_tasks, *self.heldout_tasks)}
+        statements = sorted((task_statement(t) for t in by_id.values()), key=len,
+                            reverse=True)[:candidates]
+        chat = self.chat_tokens()
+        longest = max((len(chat.first_prompt(text)) for text in statements), default=0)
+        context = self.policy.context_length
+        if context is not None and longest + rollout.max_turn_tokens > context:
+            schemas = "with" if rollout.show_tool_schemas else "without"
+            raise ValueError(
+                f"rollout: the longest first prompt is {longest} tokens ({schemas} the tools' "
+                f"schemas) and a turn may add rollout.max_turn_tokens {rollout.max_turn_tokens}"
+                f", but the policy's context is {context} tokens; set "
+                "rollout.show_tool_schemas: false, a smaller rollout.max_turn_tokens, or a "
+                "larger context (model.max_positions for a tiny model)")
+        return longest
+
     # -- warm start ---------------------------------------------------------------------------
 
     def demonstration_sequences(self) -> tuple[list[TokenizedDemo], Redraw | None]:
@@ -349,21 +378,9 @@ class Trainer:
 
     def collector(self, tasks: Sequence[Task], *, temperature: float, seed: int,
                   store: TraceStore | None) -> Collector:
-        """A collector over ``tasks`` with this run's budgets."""
-        rollout = self.config.rollout
-        compaction = (CompactionConfig(threshold_tokens=rollout.compact_at_tokens)
-                      if rollout.compact_at_tokens is not None else None)
-        tools = None if rollout.show_tool_schemas else ()
-        sampling = SamplingParams(temperature=temperature, top_p=rollout.top_p if temperature
-                                  else 1.0, top_k=rollout.top_k if temperature else 0,
-                                  max_new_tokens=rollout.max_new_tokens)
-        config = CollectorConfig(
-            sampling=sampling, max_turns=rollout.max_turns,
-            max_new_tokens=rollout.max_attempt_tokens, max_seconds=rollout.max_seconds,
-            max_concurrent=rollout.concurrency, max_batch_size=rollout.concurrency,
-            env_workers=rollout.env_workers, seed=seed, system_prompt=rollout.system_prompt,
-            tools=tools, compaction=compaction, handle_signals=False,
-            constrain_edits=rollout.constrain_edits, constrain_calls=rollout.constrain_calls)
+        """A collector over ``tasks`` with this run's budgets (``rollout.settings``'s
+        ``collector_config``, as every evaluation builds it)."""
+        config = collector_config(self.config.rollout, seed=seed, temperature=temperature)
         policy: Any = self.policy  # HFPolicy satisfies the collector's SamplingPolicy
         return Collector(policy, self.make_env_factory(tasks), store, config)
 
@@ -511,8 +528,7 @@ class Trainer:
         attempts = list(collected or attempts)
         flagged = sum(1 for a in attempts if a.audit is not None and a.audit.flagged)
         rewards = [a.reward for a in attempts if a.reward is not None]
-        successes = [float(a.verifier is not None and a.verifier.passed and (a.reward or 0) > 0)
-                     for a in attempts]
+        successes = [float(succeeded(a)) for a in attempts]
         endings = Counter(a.end_reason.value for a in attempts)
         per = lambda values: sum(values) / max(1, len(values))  # noqa: E731
         metrics: dict[str, Any] = {
@@ -683,12 +699,9 @@ class Trainer:
 
     def finish_step(self, metrics: dict[str, Any], step_seconds: float) -> None:
         """Update task-success estimates, log the step, checkpoint."""
-        ema = self.config.dynamic.success_ema
-        for task_id, members in _by_task(self.last_attempts).items():
-            rate = sum(float(a.verifier is not None and a.verifier.passed) for a in members)
-            rate /= len(members)
-            old = self.state.task_success.get(task_id, self.config.dynamic.success_prior)
-            self.state.task_success[task_id] = (1 - ema) * old + ema * rate
+        self.state.task_success = task_success_estimates(
+            self.state.task_success, self.last_attempts, prior=self.config.dynamic.success_prior,
+            ema=self.config.dynamic.success_ema)
         costs = metrics.get("costs", {})
         for key in ("generated_tokens", "tool_seconds"):
             self.state.totals[key] = self.state.totals.get(key, 0.0) + float(costs.get(key, 0.0))
@@ -718,7 +731,8 @@ class Trainer:
                  "critic": self.actor.critic_state() if self.actor.has_critic else None,
                  "generator": self.generator.get_state(), "ema": self.ema}
         path = ckpt.save_checkpoint(self.run_dir, self.state, self.actor.policy, self.tokenizer,
-                                    extra, files={CONVERSATION_FILE: self._conversation()})
+                                    extra, files={CONVERSATION_FILE: self._conversation(),
+                                                  ROLLOUT_FILE: rollout_json(self.config.rollout)})
         ckpt.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
         return path
 
@@ -747,6 +761,7 @@ class Trainer:
                            system_prompt=rollout.system_prompt,
                            constrain_edits=rollout.constrain_edits,
                            constrain_calls=rollout.constrain_calls)
+        write_rollout(directory, rollout)
         return directory
 
     # -- the weight average (update.ema_decay) -------------------------------------------------
@@ -826,32 +841,29 @@ class Trainer:
     def evaluate(self, label: str, policy: str = "last checkpoint",
                  steps: int | None = None) -> dict[str, Any]:
         """Held-out success with a fixed budget: K samples per task at the rollout temperature,
-        and one greedy attempt per task; hidden-test verdicts, task-level bootstrap CIs. The
-        files record ``policy`` (what the model holds) and ``steps``, the RL steps behind it
-        (default: the steps completed)."""
-        from tracerl.eval.behaviour import behaviour
-        from tracerl.eval.summary import summarize
+        and one greedy attempt per task; hidden-test verdicts, task-level bootstrap CIs. Each
+        is :func:`tracerl.eval.evaluate.evaluate`, the function of ``tracerl eval``, with the
+        run's ``rollout`` config. The files record ``policy`` (what the model holds) and
+        ``steps``, the RL steps behind it (default: the steps completed)."""
+        from tracerl.eval.evaluate import EvalSettings, evaluate
 
         tasks = self.heldout_tasks[: self.config.eval.tasks or len(self.heldout_tasks)]
-        families = {t.id: t.family for t in tasks}
         seed = self.config.seed + 7919  # the same evaluation seeds before and after training
         out: dict[str, Any] = {}
-        runs = [("sampled", self.config.rollout.temperature, self.config.eval.samples_per_task)]
+        rollout = self.config.rollout
+        runs = [("sampled", rollout, self.config.eval.samples_per_task)]
         if self.config.eval.greedy:
-            runs.append(("greedy", 0.0, 1))
-        for name, temperature, samples in runs:
-            with (TraceStore(self.run_dir / "eval" / f"{label}-{name}", fsync=False) as store,
-                  self.collecting_threads()):
-                result = self.collector(tasks, temperature=temperature, seed=seed, store=store
-                                        ).collect(tasks, samples, run_id=f"{label}-{name}")
-            summary = summarize(list(result.attempts), families, max_k=samples,
-                                seed=self.config.seed,
-                                resamples=self.config.eval.bootstrap_resamples)
-            summary["wall_seconds"] = result.wall_seconds
-            summary["temperature"] = temperature
+            runs.append(("greedy", dataclasses.replace(rollout, temperature=0.0), 1))
+        for name, decoding, samples in runs:
+            settings = EvalSettings(samples=samples, rollout=decoding, seed=seed,
+                                    bootstrap_resamples=self.config.eval.bootstrap_resamples)
+            with self.collecting_threads():
+                summary = evaluate(self.policy, tasks, settings, sandbox=self.sandbox,
+                                   store_dir=self.run_dir / "eval" / f"{label}-{name}",
+                                   run_id=f"{label}-{name}", fsync=False)
+            summary["temperature"] = decoding.temperature
             summary["rl_steps"] = self.state.step if steps is None else steps
             summary["policy"] = policy
-            summary["behaviour"] = behaviour(self.policy, result.attempts)
             (self.run_dir / f"eval_{label}_{name}.json").write_text(
                 json.dumps(summary, indent=1), encoding="utf-8")
             out[name] = {k: summary[k] for k in ("success", "ci95", "pass_at_k",
@@ -1016,6 +1028,19 @@ def _complete_group(stored: dict[str, list[Attempt]], run_id: str, task_id: str,
                 and all(a.end_reason in trained for a in members)):
             return members
     return None
+
+
+def task_success_estimates(estimates: dict[str, float], attempts: Sequence[Attempt], *,
+                           prior: float, ema: float) -> dict[str, float]:
+    """Each task's success estimate moved toward the share of ``attempts`` that solved it
+    (``eval.summary.succeeded``: verified and not flagged by the audit, so success-weighted
+    task sampling never takes a hacked attempt for a solved task); a task never tried before
+    starts from ``prior``. Tasks without attempts keep their estimate."""
+    out = dict(estimates)
+    for task_id, members in _by_task(attempts).items():
+        rate = sum(float(succeeded(a)) for a in members) / len(members)
+        out[task_id] = (1 - ema) * out.get(task_id, prior) + ema * rate
+    return out
 
 
 def _by_group(attempts: Sequence[Attempt]) -> dict[str, list[Attempt]]:

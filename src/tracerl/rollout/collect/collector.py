@@ -63,9 +63,10 @@ class CollectorConfig:
     max_turns: int = 8
     """Most actions per attempt (across fragments); then ``truncated_turns``. A cap: a task's
     own budget (``budget.max_turns``, enforced by the environment) may end it sooner."""
-    max_new_tokens: int | None = 1024
-    """Most tokens sampled per attempt (None: no limit); then ``truncated_tokens``. A task's
-    own ``budget.max_new_tokens`` takes precedence."""
+    max_attempt_tokens: int | None = 1024
+    """Most tokens sampled per attempt, over all its turns (None: no limit); then
+    ``truncated_tokens``. A task's own ``budget.max_new_tokens`` takes precedence. The limit
+    per turn is ``sampling.max_new_tokens``."""
     max_context_tokens: int | None = None
     """Longest context (prompt plus action); None: the policy's ``context_length``. When the
     next turn would not fit, the attempt ends ``truncated_tokens``."""
@@ -112,7 +113,7 @@ class CollectorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
-        for name in ("max_new_tokens", "max_context_tokens"):
+        for name in ("max_attempt_tokens", "max_context_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name}: must be >= 1 or None, got {value!r}")
@@ -357,7 +358,7 @@ class Collector:
                 raise ValueError(f"tasks: {task_id!r} appears twice (use group_size for repeats)")
             seen.add(task_id)
             budget = getattr(task, "budget", None)
-            token_budget = getattr(budget, "max_new_tokens", None) or self.config.max_new_tokens
+            token_budget = getattr(budget, "max_new_tokens", None) or self.config.max_attempt_tokens
             for sample in range(group_size):
                 specs.append(AttemptSpec(
                     attempt_id=f"{run}:{task_id}:{sample}",

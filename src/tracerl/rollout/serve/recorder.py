@@ -169,6 +169,7 @@ class _Session:
     generated_tokens: int = 0
     generation_seconds: float = 0.0
     n_turns: int = 0
+    tool_calls: int = 0
     model: str = ""
 
 
@@ -190,6 +191,8 @@ class Sample:
     """The engine that sampled them."""
     seconds: float = 0.0
     """Wall time of the generation call."""
+    tool_calls: int = 0
+    """Tool calls parsed from the sampled text."""
 
 
 class SessionRecorder:
@@ -294,6 +297,7 @@ class SessionRecorder:
             session.generated_tokens += len(sample.token_ids)
             session.generation_seconds += sample.seconds
             session.n_turns += 1
+            session.tool_calls += sample.tool_calls
 
     def open_sessions(self) -> list[str]:
         """Keys of sessions recorded but not finished."""
@@ -359,7 +363,8 @@ class SessionRecorder:
                 finished_at=time.time(),
                 generation_seconds=session.generation_seconds,
             ),
-            costs=Costs(generated_tokens=session.generated_tokens, turns=session.n_turns),
+            costs=Costs(generated_tokens=session.generated_tokens, turns=session.n_turns,
+                        tool_calls=session.tool_calls),
             metadata={"source": "serve", "session": key, "model": session.model,
                       **dict(metadata or {})},
         )
@@ -372,6 +377,7 @@ class SessionRecorder:
             self.finished.append(attempt)
         return attempt
 
-    def finish_all(self, end: EndReason | str = EndReason.CANCELLED) -> list[Attempt]:
+    def finish_all(self, end: EndReason | str = EndReason.CANCELLED,
+                   metadata: Mapping[str, Any] | None = None) -> list[Attempt]:
         """Finish every open session with ``end`` (the server stops: nothing is lost)."""
-        return [self.finish(key, end=end) for key in self.open_sessions()]
+        return [self.finish(key, end=end, metadata=metadata) for key in self.open_sessions()]

@@ -18,8 +18,17 @@ what vLLM reports with ``--logprobs-mode processed_logprobs``. ``top_logprobs`` 
 by one extra forward pass under the same processing; tokens outside the sampling support
 (probability 0) are not listed.
 
+A policy saved by a tracerl run is served as its run decoded it (its ``RolloutConfig``,
+``rollout.settings.read_rollout``): a request that names no temperature, ``top_p``, ``top_k``
+or token limit gets the run's (``max_turn_tokens`` per request); the run's system prompt
+opens a conversation that has none; the tools' schemas are left out of the prompt when the
+run left them out; and with ``constrain_calls`` every chat completion is decoded under the
+tool-call grammar. The edit rule (``constrain_edits``) reads the environment's open file,
+which a server does not see: it is not applied, and each attempt's metadata
+says so (``decoding_rules_not_applied``).
+
 Sessions: a request carrying the ``X-Tracerl-Session`` header (or, failing that, the ``user``
-field) belongs to that session; its turns accumulate (see ``serve_trace``) until
+field) belongs to that session; its turns accumulate (see ``serve.recorder``) until
 ``POST /v1/sessions/{key}/finish`` writes the attempt with its ending and reward, or the server
 stops and writes it as ``cancelled``. A request without a session is a one-turn attempt of its
 own, written at once (``terminated``, or ``truncated_tokens`` when it hit its token limit).
@@ -44,6 +53,7 @@ from tracerl.rollout.serve.recorder import (
     normalize_message,
     parse_hermes_tool_calls,
 )
+from tracerl.rollout.settings import RolloutConfig
 from tracerl.trace.schema import EndReason
 from tracerl.trace.schema import SamplingParams as TraceSamplingParams
 
@@ -138,15 +148,25 @@ class TracingServer:
         recorder: SessionRecorder,
         *,
         model_name: str = "tracerl",
-        default_max_tokens: int = 256,
+        default_max_tokens: int | None = None,
         seed: int | None = None,
+        rollout: RolloutConfig | None = None,
     ) -> None:
+        if default_max_tokens is None:
+            default_max_tokens = rollout.max_turn_tokens if rollout is not None else 256
         if default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
         self.policy = policy
         self.recorder = recorder
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
+        self.rollout = rollout
+        """How the policy's run decoded (None: not a tracerl policy; requests decide)."""
+        self.not_applied: tuple[str, ...] = tuple(
+            name for name in ("constrain_edits",)
+            if rollout is not None and getattr(rollout, name))
+        """The run's decoding rules a server cannot apply (they read the environment's files)."""
+        self._grammar: Any = None
         self._lock = threading.Lock()
         # Requests without a seed get one from this stream, so a seeded server is reproducible.
         self._seeds = random.Random(seed)
@@ -156,6 +176,43 @@ class TracingServer:
     @property
     def tokenizer(self) -> Any:
         return self.policy.tokenizer
+
+    def request_defaults(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` with the run's temperature, ``top_p`` and ``top_k`` where it names none."""
+        if self.rollout is None:
+            return body
+        filled = dict(body)
+        for key in ("temperature", "top_p", "top_k"):
+            if filled.get(key) is None:
+                filled[key] = getattr(self.rollout, key)
+        return filled
+
+    def conversation(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """Messages and tools as the run rendered them: its system prompt first when the
+        messages have none, and no tool schemas in the prompt when it showed none."""
+        if self.rollout is None:
+            return messages, tools
+        if self.rollout.system_prompt and (not messages or messages[0].get("role") != "system"):
+            messages = [{"role": "system", "content": self.rollout.system_prompt}, *messages]
+        return messages, tools if self.rollout.show_tool_schemas else None
+
+    def decoding_rule(self) -> Any:
+        """The run's tool-call grammar (``constrain_calls``) for a chat completion, or None."""
+        if self.rollout is None or not self.rollout.constrain_calls:
+            return None
+        if self._grammar is None:
+            from tracerl.envs.tools import ARGUMENT_ALTERNATIVES, TOOL_SCHEMAS
+            from tracerl.rollout.decoding.grammar import ToolCallGrammar, tool_specs
+
+            model = getattr(self.policy, "model", None)
+            if model is None:
+                raise ValueError("constrain_calls: the served policy has no model to constrain")
+            width = int(model.get_output_embeddings().weight.shape[0])
+            end_ids = tuple(getattr(self.policy, "eos_ids", ()))
+            self._grammar = ToolCallGrammar(tool_specs(TOOL_SCHEMAS, ARGUMENT_ALTERNATIVES),
+                                            self.tokenizer, width, end_ids)
+        return self._grammar.rule()
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                add_generation_prompt: bool) -> str:
@@ -188,19 +245,25 @@ class TracingServer:
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[Any], float]:
-        """Sample one completion per prompt; returns (completions, wall seconds)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, rule: Any = None
+                 ) -> tuple[list[Any], float]:
+        """Sample one completion per prompt (each under ``rule``, a decoding rule, when one is
+        given); returns (completions, wall seconds)."""
         with self._lock:
             if params.seed is None:
                 params = _with_seed(params, self._seeds.randrange(2**62))
             start = time.perf_counter()
+            extra: dict[str, Any] = {}
+            if rule is not None:
+                extra["constraints"] = [rule] * len(prompts)
             try:
                 if self._row_seeds and len(prompts) > 1:
                     # Choice i of a seeded request is the same whatever n is.
                     seeds = [int(params.seed or 0) + i for i in range(len(prompts))]
-                    completions = self.policy.generate(prompts, params, row_seeds=seeds)  # type: ignore[call-arg]
+                    completions = self.policy.generate(prompts, params, row_seeds=seeds,  # type: ignore[call-arg]
+                                                       **extra)
                 else:
-                    completions = self.policy.generate(prompts, params)
+                    completions = self.policy.generate(prompts, params, **extra)
             except ValueError as error:  # prompt too long, bad token ids: the client's input
                 raise RequestError(str(error), "messages") from error
             return completions, time.perf_counter() - start
@@ -243,20 +306,22 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return replace(params, seed=seed)
 
 
-def _trace_sampling(params: SamplingParams) -> TraceSamplingParams:
+def _trace_sampling(params: SamplingParams, constraint: str | None = None
+                    ) -> TraceSamplingParams:
     return TraceSamplingParams(
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None,
-        max_new_tokens=params.max_new_tokens, seed=params.seed,
+        max_new_tokens=params.max_new_tokens, seed=params.seed, constraint=constraint,
     )
 
 
 def _sample(server: TracingServer, completion: Any, params: SamplingParams,
-            seconds: float) -> Sample:
+            seconds: float, rule: Any = None, tool_calls: int = 0) -> Sample:
     return Sample(
         token_ids=tuple(completion.token_ids), logprobs=tuple(completion.logprobs),
         finish_reason=completion.finish_reason,
         policy_version=int(getattr(completion, "policy_version", server.policy.policy_version)),
-        sampling=_trace_sampling(params), engine=server.policy.engine, seconds=seconds,
+        sampling=_trace_sampling(params, None if rule is None else str(rule.name)),
+        engine=server.policy.engine, seconds=seconds, tool_calls=tool_calls,
     )
 
 
@@ -278,7 +343,12 @@ def _record_single(server: TracingServer, request_id: str, index: int, prompt: l
     key = f"{request_id}-{index}"
     server.recorder.record(key, prompt, sample, model=server.model_name)
     end = EndReason.TRUNCATED_TOKENS if sample.finish_reason == "length" else EndReason.TERMINATED
-    server.recorder.finish(key, end=end, group_id=request_id)
+    server.recorder.finish(key, end=end, group_id=request_id, metadata=_served_metadata(server))
+
+
+def _served_metadata(server: TracingServer) -> dict[str, Any] | None:
+    """What an attempt's metadata says about the decoding rules the server left out."""
+    return {"decoding_rules_not_applied": list(server.not_applied)} if server.not_applied else None
 
 
 def chat_completion(server: TracingServer, body: dict[str, Any], session: str | None
@@ -297,7 +367,9 @@ def chat_completion(server: TracingServer, body: dict[str, Any], session: str | 
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RequestError("tools must be a list", "tools")
-    params, n = sampling_from_request(body, default_max_tokens=server.default_max_tokens,
+    messages, tools = server.conversation(messages, tools)
+    params, n = sampling_from_request(server.request_defaults(body),
+                                      default_max_tokens=server.default_max_tokens,
                                       stop_token_ids=None)
     if session is not None and n != 1:
         raise RequestError("a recorded session samples one choice per request (n=1); "
@@ -314,7 +386,8 @@ def chat_completion(server: TracingServer, body: dict[str, Any], session: str | 
         return server.render(msgs, tools, add_generation_prompt)
 
     prompt, prompt_text = server.recorder.chat_prompt(session, messages, render, server.encode)
-    completions, seconds = server.generate([prompt] * n, params)
+    rule = server.decoding_rule()
+    completions, seconds = server.generate([prompt] * n, params, rule)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = []
     for index, completion in enumerate(completions):
@@ -341,7 +414,7 @@ def chat_completion(server: TracingServer, body: dict[str, Any], session: str | 
         if body.get("return_token_ids"):
             choice["token_ids"] = list(completion.token_ids)
         choices.append(choice)
-        sample = _sample(server, completion, params, seconds)
+        sample = _sample(server, completion, params, seconds, rule, len(calls))
         if session is None:
             _record_single(server, request_id, index, prompt, sample)
         else:
@@ -386,7 +459,8 @@ def text_completion(server: TracingServer, body: dict[str, Any], session: str | 
     if body.get("echo"):
         raise RequestError("echo=true is not supported", "echo")
     prompts = _completion_prompts(server, body.get("prompt"))
-    params, n = sampling_from_request(body, default_max_tokens=server.default_max_tokens,
+    params, n = sampling_from_request(server.request_defaults(body),
+                                      default_max_tokens=server.default_max_tokens,
                                       stop_token_ids=None)
     if session is not None and n * len(prompts) != 1:
         raise RequestError("a recorded session samples one completion per request", "n")
@@ -426,7 +500,8 @@ def text_completion(server: TracingServer, body: dict[str, Any], session: str | 
             choice["token_ids"] = list(completion.token_ids)
             choice["prompt_token_ids"] = prompt
         choices.append(choice)
-        sample = _sample(server, completion, params, seconds)
+        sample = _sample(server, completion, params, seconds,
+                         tool_calls=len(parse_hermes_tool_calls(text)[1]))
         if session is None:
             _record_single(server, request_id, index, prompt, sample)
         else:
@@ -449,7 +524,7 @@ def create_app(server: TracingServer) -> Any:
     @asynccontextmanager
     async def lifespan(app: Any) -> Any:
         yield
-        server.recorder.finish_all(EndReason.CANCELLED)
+        server.recorder.finish_all(EndReason.CANCELLED, metadata=_served_metadata(server))
 
     app = FastAPI(title="tracerl", lifespan=lifespan)
 
@@ -509,10 +584,14 @@ def create_app(server: TracingServer) -> Any:
             reward = body.get("reward")
             if reward is not None and not isinstance(reward, (int, float)):
                 raise RequestError("reward must be a number", "reward")
+            metadata = body.get("metadata")
+            if metadata is not None and not isinstance(metadata, dict):
+                raise RequestError("metadata must be a JSON object", "metadata")
             attempt = await asyncio.to_thread(
                 server.recorder.finish, key, end=body.get("end_reason", "terminated"),
                 reward=None if reward is None else float(reward), task_id=body.get("task_id"),
-                group_id=body.get("group_id"), metadata=body.get("metadata"),
+                group_id=body.get("group_id"),
+                metadata={**(_served_metadata(server) or {}), **(metadata or {})},
             )
         except ValueError as exc:
             status = 404 if "no open session" in str(exc) else 400
