@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from tracerl.rollout.collect.collector import CollectorConfig
-from tracerl.rollout.compaction import CompactionConfig
+from tracerl.rollout.collect.compaction import CompactionConfig
 from tracerl.rollout.policies.sampling import SamplingParams
 
 ROLLOUT_FILE = "tracerl_rollout.json"
