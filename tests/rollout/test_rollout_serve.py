@@ -408,7 +408,7 @@ def test_a_tracerl_policy_is_served_as_its_run_decoded_it(
 
 def test_the_run_s_tool_call_grammar_decodes_served_chat_completions(policy: HFPolicy) -> None:
     from tracerl.envs.tools import TOOL_NAMES
-    from tracerl.rollout.serve import chat_completion
+    from tracerl.rollout.serve.server import chat_completion
     from tracerl.rollout.settings import RolloutConfig
 
     server = TracingServer(policy, SessionRecorder(None), model_name="tiny",
