@@ -130,7 +130,7 @@ def _one_call_run(root: Path, steps: int) -> dict[str, Any]:
         "seed": 1, "steps": steps, "threads": 1, "tensorboard": False, "progress": False,
         "run_dir": str(root / "run"), "model": MODEL,
         "tasks": {"train_count": 4, "heldout_count": 2},
-        "rollout": {"tasks_per_step": 4, "group_size": 8, "max_turns": 1, "max_new_tokens": 40,
+        "rollout": {"tasks_per_step": 4, "group_size": 8, "max_turns": 1, "max_turn_tokens": 40,
                     "concurrency": 16, "env_workers": 1, "show_tool_schemas": False,
                     "constrain_calls": True},
         "update": {"entropy_coef": 0.0, "lr": 0.02, "micro_batch_rows": 16},

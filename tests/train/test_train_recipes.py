@@ -25,7 +25,7 @@ from tiny_runs import TINY_RUN, tiny_recipe
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 QUICK = ["tensorboard=false", "progress=false", "model.device=cpu", "tasks.train_count=8",
-         "tasks.rl_count=0", "sft.demos_per_task=1"]
+         "sft.demos_per_task=1"]
 """Fewer train tasks and demonstrations (the tokenizer is trained on them): the recipe's
 model, conversation format and token limits are unchanged."""
 

@@ -16,7 +16,7 @@ import dataclasses
 import itertools
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,13 +189,20 @@ def _make_env_factory(tasks: Sequence[Task], sandbox: Sandbox, settings: EvalSet
 def collect_attempts(policy: Any, tasks: Sequence[Task], settings: EvalSettings, *,
                      sandbox: Sandbox, faults: FaultConfig | None = None,
                      store_dir: str | Path | None = None, run_id: str = "eval",
-                     progress: bool = False, fsync: bool = True) -> tuple[list[Attempt], float]:
-    """Run ``settings.samples`` attempts per task; returns them and the wall seconds."""
+                     progress: bool = False, fsync: bool = True,
+                     make_env: Callable[[], Any] | None = None) -> tuple[list[Attempt], float]:
+    """Run ``settings.samples`` attempts per task; returns them and the wall seconds.
+    ``make_env``: the environment factory (default: a ``CodingEnv`` over ``tasks`` with the
+    settings' turns and seconds, and ``faults``); a trainer passes its own, so a run with a
+    custom environment is evaluated in it."""
+    if make_env is not None and faults is not None:
+        raise ValueError("faults: injected through the default environment; with make_env, "
+                         "give the environment its faults")
     store = TraceStore(store_dir, fsync=fsync) if store_dir is not None else None
     started = time.perf_counter()
     try:
-        collector = Collector(policy, _make_env_factory(tasks, sandbox, settings, faults),
-                              store, settings.collector_config(progress))
+        factory = make_env or _make_env_factory(tasks, sandbox, settings, faults)
+        collector = Collector(policy, factory, store, settings.collector_config(progress))
         result = collector.collect(list(tasks), settings.samples, run_id=run_id)
     finally:
         if store is not None:
@@ -222,15 +229,15 @@ def transcript(policy: Any, attempt: Attempt) -> str:
 def evaluate(policy: Any, tasks: Sequence[Task], settings: EvalSettings, *, sandbox: Sandbox,
              faults: FaultConfig | None = None, store_dir: str | Path | None = None,
              judge: JudgeConfig | None = None, training_judge: Mapping[str, Any] | None = None,
-             progress: bool = False, run_id: str = "eval", fsync: bool = True
-             ) -> dict[str, Any]:
+             progress: bool = False, run_id: str = "eval", fsync: bool = True,
+             make_env: Callable[[], Any] | None = None) -> dict[str, Any]:
     """One fixed-budget run: the summary of :func:`summarize` plus settings and costs. The
     trainer's held-out evaluations run through here too (``Trainer.evaluate``)."""
     if not tasks:
         raise ValueError("tasks: nothing to evaluate")
     attempts, wall = collect_attempts(policy, tasks, settings, sandbox=sandbox, faults=faults,
                                       store_dir=store_dir, run_id=run_id, progress=progress,
-                                      fsync=fsync)
+                                      fsync=fsync, make_env=make_env)
     result = summarize(attempts, {t.id: t.family for t in tasks}, max_k=settings.samples,
                        seed=settings.seed, resamples=settings.bootstrap_resamples)
     result["wall_seconds"] = wall

@@ -860,7 +860,8 @@ class Trainer:
             with self.collecting_threads():
                 summary = evaluate(self.policy, tasks, settings, sandbox=self.sandbox,
                                    store_dir=self.run_dir / "eval" / f"{label}-{name}",
-                                   run_id=f"{label}-{name}", fsync=False)
+                                   run_id=f"{label}-{name}", fsync=False,
+                                   make_env=self.make_env_factory(tasks))
             summary["temperature"] = decoding.temperature
             summary["rl_steps"] = self.state.step if steps is None else steps
             summary["policy"] = policy
