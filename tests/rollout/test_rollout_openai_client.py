@@ -26,12 +26,7 @@ from tracerl.rollout.policies.openai_api import (  # noqa: E402
 )
 from tracerl.rollout.serve.recorder import SessionRecorder  # noqa: E402
 from tracerl.rollout.serve.server import TracingServer, create_app  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tracerl.testing.serving import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")

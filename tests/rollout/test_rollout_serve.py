@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from tracerl.models.tiny import (  # noqa: E402
 from tracerl.rollout import HFPolicy, SamplingParams, sequence_logprobs  # noqa: E402
 from tracerl.rollout.serve.recorder import SessionRecorder, parse_hermes_tool_calls  # noqa: E402
 from tracerl.rollout.serve.server import TracingServer, create_app  # noqa: E402
+from tracerl.testing.serving import free_port  # noqa: E402
 from tracerl.trace import EndReason, Role, TraceStore, read_attempts  # noqa: E402
 
 TOOL_CALL = render_tool_call("run_tests", {"path": "tests"})
@@ -68,12 +68,6 @@ def _fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch
         optimizer.step()
         if loss.item() < 0.005:
             break
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class RunningServer:
@@ -275,37 +269,18 @@ def test_hermes_parsing_keeps_unparseable_calls_as_content() -> None:
 
 @pytest.mark.slow
 def test_cli_serves_and_writes_open_sessions_on_sigint(tmp_path: Path) -> None:
-    import signal
-    import subprocess
-    import sys
-
     from tracerl.models.tiny import save_tiny
+    from tracerl.testing.serving import serve_subprocess
 
     tokenizer = train_tokenizer(["Fix the bug.", "hello"] * 10, vocab_size=300)
     model = build_tiny_model(tokenizer, TinyModelConfig(
         hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_positions=128))
     save_tiny(model, tokenizer, tmp_path / "model")
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tracerl", "serve", "--model", str(tmp_path / "model"),
-         "--store", str(tmp_path / "store"), "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
-                               max_retries=0, timeout=30)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                assert [m.id for m in client.models.list().data] == ["model"]
-                break
-            except openai.APIConnectionError:
-                assert time.monotonic() < deadline and process.poll() is None
-                time.sleep(0.2)
-        client.chat.completions.create(model="model", messages=USER, max_tokens=3,
-                                       user="still-open")
-    finally:
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=60) == 0
+    with serve_subprocess(tmp_path / "model", tmp_path / "store") as served:
+        assert [m.id for m in served.client.models.list().data] == ["model"]
+        served.client.chat.completions.create(model="model", messages=USER, max_tokens=3,
+                                              user="still-open")
+    assert served.returncode == 0, served.output
     (attempt,) = read_attempts(tmp_path / "store")
     assert (attempt.attempt_id, attempt.end_reason) == ("still-open", EndReason.CANCELLED)
 

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -128,34 +124,15 @@ def test_the_documented_commands_run_on_the_run(demo_run: Path, tmp_path: Path,
 
 
 def test_tracerl_serve_serves_the_run_s_policy(demo_run: Path, tmp_path: Path) -> None:
-    openai: Any = pytest.importorskip("openai")
+    pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
-    import socket
+    from tracerl.testing.serving import serve_subprocess
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tracerl", "serve", "--model", str(demo_run / POLICY_DIR),
-         "--store", str(tmp_path / "served"), "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
-                               max_retries=0, timeout=30)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert time.monotonic() < deadline and process.poll() is None
-                time.sleep(0.2)
-        answer = client.chat.completions.create(
+    with serve_subprocess(demo_run / POLICY_DIR, tmp_path / "served") as served:
+        answer = served.client.chat.completions.create(
             model=POLICY_DIR, messages=[{"role": "user", "content": "Fix add in add.py."}])
-    finally:
-        process.send_signal(signal.SIGINT)
-        output, _ = process.communicate(timeout=60)
-    assert process.returncode == 0, output
+    output = served.output
+    assert served.returncode == 0, output
     assert "decoding as its run did" in output
     # No max_tokens in the request: the run's tokens per turn.
     assert answer.usage.completion_tokens <= TINY_RUN["rollout"]["max_turn_tokens"]
