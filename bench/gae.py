@@ -21,6 +21,7 @@ Usage: ``python bench/gae.py [--threads 1] [--repeats 9] [--gamma 0.99 --trace-d
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -126,7 +127,7 @@ def measure_shape(
     if verl_gae is not None:
         contenders["verl"] = lambda: verl_gae(r, v, maskf, gamma, trace_decay)
     timings = timed_together(contenders, args.repeats)
-    ours = timings["batch_gae"].median
+    ours, reused = timings["batch_gae"].median, timings["batch_gae, out="].median
     # Reads rewards, values (4 B each) and the mask (1 B); writes advantages and returns.
     floor = (4 + 4 + 1 + 4 + 4) * tokens / bandwidth
     print(f"\n[{rows}, {length}]  ({m.float().mean():.0%} action tokens; {args.repeats} timed "
@@ -134,7 +135,8 @@ def measure_shape(
     for name, timing in timings.items():
         line = f"  {name:<16} {tokens / timing.median / 1e6:8.1f} M tokens/s  ({timing.text()})"
         if name in ("per-step loop", "verl"):
-            line += f"  -> batch_gae is {timing.median / ours:6.1f}x faster"
+            line += (f"  -> batch_gae is {timing.median / ours:5.1f}x faster "
+                     f"({timing.median / reused:.1f}x with out=)")
         print(line)
     print(
         f"  memory floor     {tokens / floor / 1e6:8.1f} M tokens/s  "
@@ -187,13 +189,15 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, "
         f"gamma={args.gamma} trace_decay={args.trace_decay}"
     )
-    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
+    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write); {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.2f}")
     if verl_gae is None:
         print("verl: not importable here (run `make bench-gae` for the comparison)")
     for rows, length in SHAPES:
         measure_shape(rows, length, args, bandwidth, verl_gae)
     if args.block_sweep:
         block_sweep([int(e) for e in args.block_sweep.split(",")], args.repeats)
+    print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

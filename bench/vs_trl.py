@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import random
 import re
 import statistics
@@ -562,7 +563,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         print(f"trl {trl.__version__}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s); "
-          f"{args.seeds} seed(s) from {args.seed}")
+          f"{args.seeds} seed(s) from {args.seed}; {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.2f}")
     print(f"task: sort 5 digits, SFT {args.sft_steps} steps, then {args.prompts} prompts x "
           f"G={args.group} per step, <= {args.max_new_tokens} new tokens, temperature 1, "
           f"{args.steps} steps per seed, lr {args.lr}, beta 0; first step excluded from timing")
@@ -580,7 +582,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                       f"rewards: means of {args.last} steps)")
             report_seed(seed, runs, args.last)
             results.append(runs)
-    print(f"{args.seeds} seed(s) in {time.perf_counter() - started:.0f} s wall")
+    print(f"{args.seeds} seed(s) in {time.perf_counter() - started:.0f} s wall; load average "
+          f"now {os.getloadavg()[0]:.2f}")
     report(results, args.last)
 
 
