@@ -11,8 +11,8 @@ transformers forward), so the share of each part of the speed-up is visible.
 All three sample the same prompts (varied lengths, left-padded where batched) at temperature 1
 with no top-k/top-p, and every completion has exactly ``--new-tokens`` tokens: EOS does not stop
 any of them (``stop_token_ids=()`` for tracerl, no ``eos_token_id`` for transformers), so the
-same amount of work is timed. Each batched timing is the median of ``--repeats`` runs after a
-warm-up, the batched methods alternating; the slow per-prompt loop runs once.
+same amount of work is timed. Every method's timing is the median of ``--repeats`` runs after a
+warm-up, the methods alternating run by run (the slow per-prompt loop included).
 
 Run: ``python bench/sampling.py`` (add ``--help`` for sizes).
 """
@@ -132,12 +132,14 @@ def main() -> None:
         f"{args.prompts} prompts of {args.min_prompt}-{args.max_prompt} tokens, {n} new tokens "
         f"each; {torch.get_num_threads()} threads"
     )
-    # Batched methods alternate run by run, so that load from other processes falls on both.
+    # All methods alternate run by run, so that load from other processes falls on all alike, and
+    # each is timed --repeats times (median); the per-prompt loop too, though it is the slowest.
     fused_name, hf_name = "tracerl HFPolicy.generate, fused decode", "tracerl HFPolicy.generate, hf forward"
     methods = {
         fused_name: lambda: ours(fused_policy),
         hf_name: lambda: ours(hf_policy),
         "transformers generate, batched": hf_batched,
+        "transformers generate, per-prompt loop": hf_per_prompt,
     }
     seconds: dict[str, list[float]] = {name: [] for name in methods}
     cpu: dict[str, list[float]] = {name: [] for name in methods}
@@ -146,19 +148,10 @@ def main() -> None:
         fn()  # warm-up
     for _ in range(args.repeats):
         for name, fn in methods.items():
-            start, start_cpu = time.perf_counter(), time.process_time()
+            began, began_cpu = time.perf_counter(), time.process_time()
             tokens[name] = fn()
-            seconds[name].append(time.perf_counter() - start)
-            cpu[name].append(time.process_time() - start_cpu)
-    # The per-prompt loop is ~10x slower: one timed pass, after a one-prompt warm-up.
-    name = "transformers generate, per-prompt loop"
-    with torch.inference_mode():
-        ids = torch.tensor([prompts[0]])
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_config)
-    start, start_cpu = time.perf_counter(), time.process_time()
-    tokens[name] = hf_per_prompt()
-    seconds[name] = [time.perf_counter() - start]
-    cpu[name] = [time.process_time() - start_cpu]
+            seconds[name].append(time.perf_counter() - began)
+            cpu[name].append(time.process_time() - began_cpu)
     # Wall time is what a user waits for; this process's CPU time is printed too because on a
     # shared machine it is far less disturbed by other processes.
     results, cpu_results = {}, {}

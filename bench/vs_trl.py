@@ -1,10 +1,10 @@
-"""Single-turn GRPO: tracerl against TRL's ``GRPOTrainer``, seconds per step and reward.
+"""Single-turn GRPO: tracerl against TRL's ``GRPOTrainer``, seconds per step, per token, reward.
 
-What is compared, in one run and one process, with the same torch threads:
+What is compared, per seed in one process, with the same torch threads (1 by default):
 
 * **Model**: one tiny Llama (``tracerl.models.tiny``; the demo's shape by default), its
-  tokenizer trained here on the task's texts. It is saved once with ``save_tiny``; both
-  trainers load that directory, so they start from the same weights and the same token ids.
+  tokenizer trained here on the task's texts. It is saved once per seed with ``save_tiny``;
+  both trainers load that directory, so they start from the same weights and token ids.
 * **Task**: ``sort 7 3 9 1 5``, one user message; the reply's digits are checked position by
   position against the sorted ones (partial credit, extra digits cost; ``reward``). Before
   saving, the model gets a short SFT on demonstrations half of which swap two digits (as the
@@ -16,8 +16,11 @@ What is compared, in one run and one process, with the same torch threads:
   ``epochs=1, minibatches=1``), clip 0.2, no KL (``beta=0``), advantages
   ``(r - mean_g) / (std_g + 1e-4)`` with the sample std (TRL's ``scale_rewards="group"``),
   token-mean loss over the batch (TRL's default ``loss_type="dapo"``; tracerl's ``token_mean``),
-  AdamW (torch's fused kernel in both) at the same constant learning rate, weight decay 0,
-  gradient norm clipped at 1.
+  at the same constant learning rate, weight decay 0, gradient norm clipped at 1.
+* **Optimizer kernel**: TRL keeps its default ``optim`` (what a user gets; with this
+  transformers and torch that is ``adamw_torch_fused``, torch's fused AdamW), and tracerl's
+  trainer builds the same fused kernel (``make_adamw``). The kernel each side actually got is
+  read from the optimizers after the run and printed; the script stops if they differ.
 * **tracerl side**: the library's public pieces, driven single-turn here because its trainer is
   the multi-turn loop: ``HFPolicy.generate`` samples (recording behavior logprobs),
   ``core.group_advantages`` scores groups, and ``train.update``'s ``freeze_old`` +
@@ -30,20 +33,28 @@ What is compared, in one run and one process, with the same torch threads:
 * **TRL side**: ``GRPOTrainer`` on CPU, ``bf16=False``, ``gradient_checkpointing=False``,
   generation by ``transformers``' ``generate`` (no vLLM on CPU), logging and saving off.
 
-Measured: wall and CPU (process, all threads) seconds per step (tracerl: the whole step call;
-TRL: from the end of its previous step, so its logging and batch fetch count), the first step
-excluded as warm-up; mean reward over
-the last ``K`` steps. Printed: both, ``speed ratio = TRL s/step / tracerl s/step`` (wall and
-CPU), and the reward difference with a standard error. The two trainers run interleaved, one
-TRL step then one tracerl step, so a change of load on a shared machine hits both alike.
-Threads default to 2; on a 2-core machine that other work keeps busy, two OpenMP threads spend
-most of their time waiting for each other (tiny matrices, many ops), and ``--threads 1``
-measures the trainers instead of that contention.
+Timer boundaries are the same on both sides: each step's clock covers picking the step's
+prompts, rendering them with the chat template and tokenizing them, sampling, scoring,
+advantages, batch packing and the optimizer step (TRL: from the end of its previous step to
+the end of this one, so its batch fetch, tokenization and per-step bookkeeping count; tracerl:
+the whole step call, which tokenizes its prompts inside it). The two trainers run interleaved,
+one TRL step then one tracerl step (off TRL's clock), so a change of load on a shared machine
+hits both alike. The first step of each is excluded as warm-up.
+
+Measured per seed: the median wall and CPU (process, all threads) seconds per step, the
+median seconds per generated token (the two samplers draw completions of different lengths,
+so per-step time alone can flatter the side that stops earlier), and the mean reward of the
+first and last ``K`` steps. Over ``--seeds`` seeds (each its own SFT warm start, task draw and
+sampling) the script prints the median speed ratio ``TRL / tracerl`` with its min-max and
+interquartile range, the reward difference (tracerl - TRL, last ``K`` steps) as a mean with
+its standard error over seeds, and for each side whether its reward moved from the first
+``K`` steps to the last (mean change, standard error over seeds).
 
 TRL is installed only in the bench environment (``make bench-trl``). Without it the script
 measures tracerl alone and says so.
 
-Usage: ``python bench/vs_trl.py [--steps 30] [--prompts 4] [--group 4] [--max-new-tokens 32]``
+Usage: ``python bench/vs_trl.py [--seeds 8] [--steps 30] [--threads 1] [--prompts 4]
+[--group 4] [--max-new-tokens 32]``
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import random
 import re
 import statistics
@@ -147,21 +159,49 @@ class Run:
     """(wall, cpu) seconds of each step."""
     rewards: list[float] = field(default_factory=list)
     """Mean reward of each step's completions."""
-    samples: list[list[float]] = field(default_factory=list)
-    """Each step's individual rewards (for the standard error)."""
+    tokens: list[int] = field(default_factory=list)
+    """Generated (completion) tokens of each step."""
+    optimizer: str = "?"
+    """The AdamW kernel the trainer used (``fused``, ``foreach`` or ``for-loop``)."""
 
     def per_step(self, skip: int = 1) -> tuple[float, float]:
-        """Mean wall and CPU seconds per step, the first ``skip`` steps left out."""
+        """Median wall and CPU seconds per step, the first ``skip`` steps left out."""
+        kept = self.kept(skip)
+        return statistics.median(w for w, _ in kept), statistics.median(c for _, c in kept)
+
+    def per_token(self, skip: int = 1) -> float:
+        """Median over steps of wall seconds per generated token, the first ``skip`` left out."""
+        kept = self.kept(skip)
+        counts = self.tokens[skip:len(self.seconds)]
+        if len(counts) != len(kept) or min(counts) <= 0:
+            raise ValueError(f"{self.name}: generated-token counts missing for some steps")
+        return statistics.median(w / n for (w, _), n in zip(kept, counts, strict=True))
+
+    def kept(self, skip: int) -> list[tuple[float, float]]:
         kept = self.seconds[skip:]
         if not kept:
             raise ValueError(f"{self.name}: no steps after the {skip} warm-up step(s)")
-        return statistics.fmean(w for w, _ in kept), statistics.fmean(c for _, c in kept)
+        return kept
 
-    def last_reward(self, last: int) -> tuple[float, float]:
-        """Mean reward of the last ``last`` steps and its standard error over completions."""
-        values = [r for step in self.samples[-last:] for r in step]
-        spread = statistics.stdev(values) if len(values) > 1 else 0.0
-        return statistics.fmean(values), spread / math.sqrt(len(values))
+    def first_reward(self, count: int) -> float:
+        """Mean reward of the first ``count`` steps."""
+        return statistics.fmean(self.rewards[:count])
+
+    def last_reward(self, count: int) -> float:
+        """Mean reward of the last ``count`` steps."""
+        return statistics.fmean(self.rewards[-count:])
+
+
+def adamw_kernel(optimizer: Any) -> str:
+    """Which AdamW implementation ``optimizer`` (or the torch optimizer it wraps) runs."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    defaults = getattr(inner, "defaults", {})
+    kind = type(inner).__name__
+    if defaults.get("fused"):
+        return f"{kind} fused"
+    if defaults.get("foreach"):
+        return f"{kind} foreach"
+    return f"{kind} single-tensor"  # foreach=None is the per-tensor loop on CPU
 
 
 def clocks() -> tuple[float, float]:
@@ -197,19 +237,20 @@ class TracerlGRPO:
         self.optimizer = make_adamw([{"params": self.actor.policy_parameters(), "lr": args.lr}],
                                     0.0)  # the trainer's optimizer
         self.generator = torch.Generator().manual_seed(args.seed)
-        self.prompt_ids = [self.policy.chat_prompt(messages(p)) for p in problems]
-        self.run = Run("tracerl")
+        self.run = Run("tracerl", optimizer=adamw_kernel(self.optimizer))
 
     def step(self, step: int) -> None:
-        """Sample, score, group advantages, freeze old logprobs, one optimizer step."""
+        """Tokenize, sample, score, group advantages, freeze old logprobs, one optimizer step."""
         started = clocks()
         args = self.args
         chosen = [(step * args.prompts + i) % len(self.problems) for i in range(args.prompts)]
+        # The step's prompts are rendered and tokenized on the step's clock, as TRL's are.
+        prompt_ids = {i: self.policy.chat_prompt(messages(self.problems[i])) for i in chosen}
         # Each prompt G times in a row, as TRL's sampler repeats them.
         rows = [index for index in chosen for _ in range(args.group)]
         params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens,
                                 seed=args.seed * 100_003 + step)
-        prompts = [self.prompt_ids[i] for i in rows]
+        prompts = [prompt_ids[i] for i in rows]
         completions = self.policy.generate(prompts, params)
         scores = [reward(c.text, self.problems[i].answer)
                   for c, i in zip(completions, rows, strict=True)]
@@ -224,7 +265,7 @@ class TracerlGRPO:
                    self.critic, self.generator)
         self.policy.policy_version += 1
         self.run.seconds.append(since(started))
-        self.run.samples.append(scores)
+        self.run.tokens.append(sum(len(c.token_ids) for c in completions))
         self.run.rewards.append(statistics.fmean(scores))
 
     def train(self) -> Run:
@@ -264,10 +305,11 @@ def run_trl(model_dir: Path, problems: Sequence[Problem], args: argparse.Namespa
     With ``between``, one tracerl step runs after each TRL step (off TRL's clock, on its own),
     so a change of load on a shared machine hits both trainers alike. TRL's step i is timed
     from the end of the previous tracerl step to the end of its own optimizer step, which
-    includes its logging and batch fetch of the previous step.
+    includes its batch fetch, prompt tokenization and bookkeeping. ``optim`` is left at
+    TRL's default.
     """
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -280,9 +322,9 @@ def run_trl(model_dir: Path, problems: Sequence[Problem], args: argparse.Namespa
     run = Run("TRL")
 
     def reward_func(completions: list[list[dict[str, str]]], answer: list[str],
-                    **_: Any) -> list[float]:
+                    completion_ids: list[list[int]], **_: Any) -> list[float]:
         scores = [reward(c[0]["content"], a) for c, a in zip(completions, answer, strict=True)]
-        run.samples.append(scores)
+        run.tokens.append(sum(len(ids) for ids in completion_ids))
         run.rewards.append(statistics.fmean(scores))
         return scores
 
@@ -309,14 +351,16 @@ def run_trl(model_dir: Path, problems: Sequence[Problem], args: argparse.Namespa
         num_generations=args.group, max_completion_length=args.max_new_tokens,
         temperature=1.0, top_p=1.0, top_k=0, max_steps=args.steps, num_iterations=1,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=1.0, optim="adamw_torch", beta=0.0, epsilon=0.2, loss_type="dapo",
+        max_grad_norm=1.0, beta=0.0, epsilon=0.2, loss_type="dapo",
         scale_rewards="group", shuffle_dataset=False, report_to="none", save_strategy="no",
         logging_steps=args.steps + 1, disable_tqdm=True, dataloader_num_workers=0,
         model_init_kwargs={"dtype": torch.float32},
     )
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward_func, args=config,
                           train_dataset=dataset, processing_class=tokenizer, callbacks=[Clock()])
+    trainer.remove_callback(PrinterCallback)  # its end-of-training metrics dict, off the clocks
     trainer.train()
+    run.optimizer = adamw_kernel(trainer.optimizer)
     return run
 
 
@@ -389,26 +433,64 @@ def warm_start(model: Any, tokenizer: Any, problems: Sequence[Problem],
     model.eval()
 
 
-def report(runs: Sequence[Run], last: int) -> None:
-    """Print each trainer's numbers and, with two, the ratios."""
-    print(f"{'trainer':<10}{'wall s/step':>13}{'cpu s/step':>12}{'reward (last ' + str(last) + ')':>20}"
-          f"{'first-step reward':>19}")
+def spread(values: Sequence[float]) -> str:
+    """``median [min-max], IQR q1-q3`` of ``values`` (the IQR from two values up)."""
+    text = f"{statistics.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}]"
+    if len(values) >= 2:
+        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+        text += f", IQR {q1:.2f}-{q3:.2f}"
+    return text
+
+
+def mean_error(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and its standard error over ``values`` (error NaN-free: 0 for one value)."""
+    error = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    return statistics.fmean(values), error
+
+
+def verdict(mean: float, error: float, seeds: int) -> str:
+    """Plain words for a change ``mean`` ± ``error`` over ``seeds`` seeds."""
+    if seeds < 2:
+        return "one seed: no standard error, no claim"
+    if mean > 2 * error:
+        return "rose (more than 2 standard errors)"
+    if mean < -2 * error:
+        return "fell (more than 2 standard errors)"
+    return "no change distinguishable from zero (within 2 standard errors): it does not learn here"
+
+
+def report_seed(seed: int, runs: Sequence[Run], last: int) -> None:
+    """One line per trainer for one seed."""
     for run in runs:
         wall, cpu = run.per_step()
-        mean, error = run.last_reward(last)
-        print(f"{run.name:<10}{wall:>13.4f}{cpu:>12.4f}{mean:>13.3f} ± {error:.3f}"
-              f"{run.rewards[0]:>19.3f}")
-    if len(runs) == 2:
-        ours, theirs = runs
-        ours_wall, ours_cpu = ours.per_step()
-        theirs_wall, theirs_cpu = theirs.per_step()
-        ours_reward, ours_error = ours.last_reward(last)
-        theirs_reward, theirs_error = theirs.last_reward(last)
-        print(f"speed ratio (TRL s/step / tracerl s/step): wall {theirs_wall / ours_wall:.2f}x, "
-              f"cpu {theirs_cpu / ours_cpu:.2f}x")
-        print(f"reward difference (tracerl - TRL, last {last} steps): "
-              f"{ours_reward - theirs_reward:+.3f} ± "
-              f"{math.hypot(ours_error, theirs_error):.3f}")
+        tokens = statistics.fmean(run.tokens[1:])
+        print(f"  seed {seed:<3}{run.name:<9}{wall:>9.4f}{cpu:>9.4f}{run.per_token() * 1e3:>10.3f}"
+              f"{tokens:>9.1f}{run.first_reward(last):>9.3f}{run.last_reward(last):>9.3f}")
+
+
+def report(results: Sequence[Sequence[Run]], last: int) -> None:
+    """Across seeds: ratios of medians with their spread, reward difference, learning."""
+    seeds = len(results)
+    names = [run.name for run in results[0]]
+    for index, name in enumerate(names):
+        change = [runs[index].last_reward(last) - runs[index].first_reward(last) for runs in results]
+        mean, error = mean_error(change)
+        print(f"{name} reward, last {last} steps - first {last}, over {seeds} seed(s): "
+              f"{mean:+.3f} ± {error:.3f} -> {verdict(mean, error, seeds)}")
+    if len(names) != 2:
+        return
+    wall = [trl.per_step()[0] / ours.per_step()[0] for ours, trl in results]
+    cpu = [trl.per_step()[1] / ours.per_step()[1] for ours, trl in results]
+    token = [trl.per_token() / ours.per_token() for ours, trl in results]
+    print(f"speed ratio TRL / tracerl over {seeds} seed(s), each seed's medians "
+          f"(median [min-max], IQR):")
+    print(f"  wall s/step             {spread(wall)}")
+    print(f"  cpu s/step              {spread(cpu)}")
+    print(f"  wall s/generated token  {spread(token)}")
+    difference = [ours.last_reward(last) - trl.last_reward(last) for ours, trl in results]
+    mean, error = mean_error(difference)
+    print(f"reward difference (tracerl - TRL, mean of the last {last} steps), over {seeds} "
+          f"seed(s): {mean:+.3f} ± {error:.3f} (standard error over seeds)")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -419,8 +501,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="completion cap L")
     parser.add_argument("--last", type=int, default=10, help="reward averaged over the last K")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--seed", type=int, default=0, help="first seed")
+    parser.add_argument("--seeds", type=int, default=8,
+                        help="seeds run one after another (--seed, --seed + 1, ...)")
     parser.add_argument("--problems", type=int, default=256, help="distinct prompts, cycled")
     parser.add_argument("--sft-steps", type=int, default=150, help="warm-start SFT steps")
     parser.add_argument("--sft-lr", type=float, default=3e-3, help="warm-start learning rate")
@@ -438,9 +522,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--steps must be >= 2 (the first step is a warm-up)")
     if not 1 <= args.last <= args.steps:
         raise SystemExit("--last must be in 1..steps")
+    if args.seeds < 1:
+        raise SystemExit("--seeds must be >= 1")
     if args.group < 2:
         raise SystemExit("--group must be >= 2 (GRPO compares within a group)")
     return args
+
+
+def run_seed(args: argparse.Namespace, scratch: Path, have_trl: bool, announce: bool) -> list[Run]:
+    """One seed: its problems and warm-started model, then both trainers interleaved."""
+    problems = make_problems(args.problems, args.seed)
+    model_dir = scratch / f"tiny-{args.seed}"
+    parameters = build_model(model_dir, problems, args)
+    if announce:
+        print(f"tiny Llama: {parameters:,} parameters, hidden {args.hidden_size}, "
+              f"{args.num_layers} layers")
+    ours = TracerlGRPO(model_dir, problems, args) if args.only != "trl" else None
+    if args.only == "tracerl" or not have_trl:
+        assert ours is not None
+        return [ours.train()]
+    torch.manual_seed(args.seed)
+    theirs = run_trl(model_dir, problems, args, scratch / f"trl-{args.seed}", between=ours)
+    if ours is None:
+        return [theirs]
+    if ours.run.optimizer != theirs.optimizer:
+        raise SystemExit(f"AdamW kernels differ: tracerl {ours.run.optimizer}, "
+                         f"TRL {theirs.optimizer}; the comparison would not be like with like")
+    return [ours.run, theirs]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -448,34 +556,35 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
     have_trl = importlib.util.find_spec("trl") is not None
-    problems = make_problems(args.problems, args.seed)
-    with tempfile.TemporaryDirectory() as scratch:
-        model_dir = Path(scratch) / "tiny"
-        parameters = build_model(model_dir, problems, args)
-        print(f"tiny Llama: {parameters:,} parameters, hidden {args.hidden_size}, "
-              f"{args.num_layers} layers; torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads")
-        print(f"task: sort 5 digits, SFT {args.sft_steps} steps, then {args.prompts} prompts x G={args.group} per step, "
-              f"<= {args.max_new_tokens} new tokens, temperature 1, {args.steps} steps, "
-              f"lr {args.lr}, beta 0; first step excluded from timing")
-        ours = TracerlGRPO(model_dir, problems, args) if args.only != "trl" else None
-        runs: list[Run] = []
-        started = time.perf_counter()
-        if args.only != "tracerl" and have_trl:
-            import trl
+    if not have_trl and args.only != "tracerl":
+        print("TRL is not installed here; run `make bench-trl` for the comparison.")
+    if have_trl:
+        import trl
 
-            torch.manual_seed(args.seed)
-            theirs = run_trl(model_dir, problems, args, Path(scratch) / "trl", between=ours)
-            runs = [theirs] if ours is None else [ours.run, theirs]
-            print(f"trl {trl.__version__}: {args.steps} steps"
-                  f"{' interleaved with tracerl' if ours else ''} in "
-                  f"{time.perf_counter() - started:.1f} s wall")
-        elif ours is not None:
-            if args.only != "tracerl":
-                print("TRL is not installed here; run `make bench-trl` for the comparison.")
-            runs = [ours.train()]
-            print(f"tracerl: {args.steps} steps in {time.perf_counter() - started:.1f} s wall")
-        report(runs, args.last)
+        print(f"trl {trl.__version__}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s); "
+          f"{args.seeds} seed(s) from {args.seed}; {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.2f}")
+    print(f"task: sort 5 digits, SFT {args.sft_steps} steps, then {args.prompts} prompts x "
+          f"G={args.group} per step, <= {args.max_new_tokens} new tokens, temperature 1, "
+          f"{args.steps} steps per seed, lr {args.lr}, beta 0; first step excluded from timing")
+    results: list[list[Run]] = []
+    started = time.perf_counter()
+    first_seed = args.seed
+    with tempfile.TemporaryDirectory() as scratch:
+        for seed in range(first_seed, first_seed + args.seeds):
+            seed_args = argparse.Namespace(**{**vars(args), "seed": seed})
+            runs = run_seed(seed_args, Path(scratch), have_trl, announce=not results)
+            if not results:
+                print("AdamW: " + ", ".join(f"{run.name} {run.optimizer}" for run in runs))
+                print(f"  {'seed':<8}{'trainer':<9}{'wall s':>9}{'cpu s':>9}{'ms/token':>10}"
+                      f"{'tok/step':>9}{'r first':>9}{'r last':>9}   (per step, medians; "
+                      f"rewards: means of {args.last} steps)")
+            report_seed(seed, runs, args.last)
+            results.append(runs)
+    print(f"{args.seeds} seed(s) in {time.perf_counter() - started:.0f} s wall; load average "
+          f"now {os.getloadavg()[0]:.2f}")
+    report(results, args.last)
 
 
 if __name__ == "__main__":
