@@ -1,8 +1,8 @@
 """The step's groups: which tasks a step draws, which groups a killed run already stored
-complete, each task's success estimate, and each task's share of the loss weight.
+complete, and each task's success estimate.
 
 Plain functions of the trainer's state (:mod:`tracerl.train.trainer` calls them while
-collecting, after each step and while estimating advantages).
+collecting and after each step).
 """
 
 from __future__ import annotations
@@ -10,14 +10,10 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
 
-import torch
-
-from tracerl.core import loss_weights
 from tracerl.envs import Task
 from tracerl.eval.summary import succeeded
-from tracerl.trace import Attempt, PackedBatch, TraceStore, read_attempts
+from tracerl.trace import Attempt, TraceStore, read_attempts
 from tracerl.trace.schema import EndReason
 from tracerl.train.config import DynamicSamplingConfig
 
@@ -102,33 +98,3 @@ def by_task(attempts: Sequence[Attempt]) -> dict[str, list[Attempt]]:
     for attempt in attempts:
         tasks[attempt.task_id].append(attempt)
     return tasks
-
-
-def segmentation_report(batch: PackedBatch, mode: Any, constant: float | None
-                        ) -> dict[str, float]:
-    """Each task's share of the loss weight with its attempts' fragments as packed, and as if
-    each attempt were one row; the largest change shows what compaction did to the weights."""
-    mask = batch.action_mask
-    if not bool(mask.any()):
-        return {}
-    tasks = batch.task_index
-    try:
-        split = loss_weights(mask, mode, tasks, constant).sum(-1)
-    except ValueError:
-        return {}
-    per_attempt = torch.zeros(len(batch.attempt_ids))
-    per_attempt.index_add_(0, batch.attempt_index, mask.sum(-1).float())
-    width = int(per_attempt.max())
-    whole = torch.arange(width)[None, :] < per_attempt[:, None]
-    attempt_task = torch.zeros(len(batch.attempt_ids), dtype=torch.long)
-    attempt_task[batch.attempt_index] = tasks
-    try:
-        joined = loss_weights(whole, mode, attempt_task, constant).sum(-1)
-    except ValueError:
-        return {}
-    count = int(tasks.max()) + 1
-    share_split = torch.zeros(count, dtype=torch.float64).index_add_(0, tasks, split)
-    share_joined = torch.zeros(count, dtype=torch.float64).index_add_(0, attempt_task, joined)
-    return {"max_task_share_change": float((share_split - share_joined).abs().max()),
-            "split_attempts": float((torch.bincount(batch.attempt_index) > 1).sum()),
-            "max_task_share": float(share_split.max())}

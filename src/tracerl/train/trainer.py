@@ -12,6 +12,14 @@ loses an update.
 Under torchrun, rank 0 runs this loop and the other ranks only share each update
 (:mod:`tracerl.train.ranks`); ``model.device`` says where the weights live, while batches,
 advantages and accounting stay on the CPU.
+
+The phases live here; what they call lives beside them: :mod:`tracerl.train.setup` (tasks,
+the policy loaded or built, the conversation format, the first-prompt check, ``config.yaml``),
+:mod:`tracerl.train.groups` (which tasks a step draws, the groups a killed run stored, task
+success estimates), :mod:`tracerl.train.reports` (each task's share of the loss weight, the
+critic's explained variance), :mod:`tracerl.train.average` (the weight average of
+``update.ema_decay``) and :mod:`tracerl.train.heldout` (the held-out evaluations and
+``summary.json``).
 """
 
 from __future__ import annotations
@@ -29,18 +37,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from tracerl.core import kl_reward_penalty, mismatch_metrics
-from tracerl.envs import CodingEnv, Sandbox, Task, load_tasks
-from tracerl.envs.coding import task_statement
-from tracerl.envs.suite import generate_split
-from tracerl.envs.suite.augment import renamed_copies
-from tracerl.envs.suite.demonstrator import Demonstration
+from tracerl.envs import CodingEnv, Sandbox, Task
 from tracerl.envs.tools import parse_tool_call
 from tracerl.eval.summary import succeeded
 from tracerl.models.device import resolve_device
-from tracerl.models.weights import check_finite_weights
 from tracerl.rollout import HFPolicy
 from tracerl.rollout.collect.chat_tokens import (
     CONVERSATION_FILE,
@@ -53,15 +55,15 @@ from tracerl.rollout.settings import ROLLOUT_FILE, collector_config, rollout_jso
 from tracerl.trace import Attempt, PackedBatch, Role, TraceStore, Turn, pack
 from tracerl.trace.schema import Treatment, default_treatments
 from tracerl.train import checkpoint as ckpt
-from tracerl.train import groups, heldout, ranks
+from tracerl.train import groups, heldout, ranks, reports, setup
 from tracerl.train.algorithms import (
     AdvantageInputs,
     compute_advantages,
     group_outcome_metrics,
 )
 from tracerl.train.average import WeightAverage
-from tracerl.train.config import TrainConfig, config_changes, dump_config
-from tracerl.train.demos import DemonstrationSet, Redraw, TokenizedDemo
+from tracerl.train.config import TrainConfig
+from tracerl.train.demos import DemonstrationSet
 from tracerl.train.metrics import MetricsWriter, StepProgress
 from tracerl.train.sft import supervised_finetune
 from tracerl.train.update import (
@@ -197,21 +199,20 @@ class Trainer:
         """Rank 0 (the only rank without torchrun) collects, evaluates and writes the run."""
         if self.lead:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._check_config_file()
-        self.train_tasks = self._with_copies(self._load_tasks("train"))
-        self.heldout_tasks = self._load_tasks("heldout")
+            setup.check_config_file(config, self.log)
+        self.train_tasks, self.heldout_tasks = setup.run_tasks(config)
         self.sandbox = Sandbox()
         self.demos = DemonstrationSet(config, self.train_tasks, self.sandbox)
         """The train split's demonstrations (warm start, tokenizer, ``update.sft_coef``)."""
         latest = ckpt.latest_checkpoint(self.run_dir)
         sft_dir = self.run_dir / "sft"
         if latest is not None:
-            model, tokenizer = self._load_model(latest)
+            model, tokenizer = setup.load_model(latest)
             self.log(f"resuming from {latest}")
         elif (sft_dir / "DONE").is_file():
-            model, tokenizer = self._load_model(sft_dir)
+            model, tokenizer = setup.load_model(sft_dir)
         else:
-            model, tokenizer = self._build_model()
+            model, tokenizer = setup.build_model(config, self.demos.tokenizer_texts)
         self.tokenizer = tokenizer
         self.actor = ActorCritic(model, config.critic, config.rollout.temperature).to(self.device)
         self.policy = HFPolicy(model, tokenizer, max_batch_size=config.rollout.concurrency)
@@ -241,126 +242,28 @@ class Trainer:
             self.store = TraceStore(self.run_dir / "traces", fsync=False)
             self.metrics = MetricsWriter(self.run_dir, tensorboard=config.tensorboard)
 
-    def _check_config_file(self) -> None:
-        path = self.run_dir / "config.yaml"
-        text = dump_config(self.config)
-        if path.is_file() and path.read_text(encoding="utf-8") != text:
-            # The run's recipe changed under a resume: keep the old one visible, use the new,
-            # and say what changed (a run dir reused for a new experiment resumes the old run).
-            kept = self.run_dir / f"config.{int(time.time())}.yaml"
-            path.rename(kept)
-            changes = config_changes(yaml.safe_load(kept.read_text(encoding="utf-8")) or {},
-                                     yaml.safe_load(text))
-            self.log(f"{self.run_dir} already holds a run; its config changed ("
-                     + "; ".join(changes) + f"); the old one is kept as {kept.name}")
-        path.write_text(text, encoding="utf-8")
-
-    def _load_tasks(self, split: str) -> list[Task]:
-        """The tasks of "train" or "heldout", without renamed copies."""
-        tasks = self.config.tasks
-        source = tasks.train_file if split == "train" else tasks.heldout_file
-        if source is not None:
-            return list(load_tasks(source))
-        # The built-in tasks' budget is the rollout's turn cap, in training and evaluation.
-        turns = self.config.rollout.max_turns
-        if split == "heldout":
-            return generate_split("heldout", tasks.suite_seed, tasks.heldout_count,
-                                  max_turns=turns)
-        return generate_split("train", self._train_seed(), tasks.train_count,
-                              composed=tasks.composed_train, max_turns=turns)
-
-    def _train_seed(self) -> int:
-        tasks = self.config.tasks
-        return tasks.suite_seed if tasks.train_seed is None else tasks.train_seed
-
-    def _with_copies(self, tasks: list[Task]) -> list[Task]:
-        """``tasks`` followed by their renamed copies (``tasks.renamed_copies`` of each)."""
-        copies, seed = self.config.tasks.renamed_copies, self._train_seed()
-        return renamed_copies(tasks, copies, seed) if copies else tasks
-
     def make_env_factory(self, tasks: Sequence[Task]) -> Callable[[], CodingEnv]:
         """A factory of fresh environments over ``tasks`` (one per attempt)."""
         turns = self.config.rollout.max_turns
         return lambda: CodingEnv(tasks, sandbox=self.sandbox, max_turns=turns)
 
-    def _load_model(self, directory: Path) -> tuple[Any, Any]:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True,
-                                                     dtype=torch.float32)
-        check_finite_weights(model, directory)
-        return model, tokenizer
-
-    def _build_model(self) -> tuple[Any, Any]:
-        config = self.config
-        if config.model.kind == "pretrained":
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            assert config.model.path is not None
-            tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-            model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
-            return model, tokenizer
-        if config.model.path is not None:
-            return self._load_model(Path(config.model.path))
-        from tracerl.models.tiny import TinyModelConfig, build_tiny_model, train_tokenizer
-        from tracerl.models.words import WORDS
-
-        tokenizer = train_tokenizer(self.demos.tokenizer_texts(),
-                                    vocab_size=config.model.vocab_size, words=WORDS)
-        shape = TinyModelConfig(
-            hidden_size=config.model.hidden_size, num_layers=config.model.num_layers,
-            num_heads=config.model.num_heads, intermediate_size=config.model.intermediate_size,
-            max_positions=config.model.max_positions)
-        return build_tiny_model(tokenizer, shape, seed=config.seed), tokenizer
-
-    def demonstrations(self) -> list[Demonstration]:
-        """The (imperfect) demonstrations of the train split, made once per process."""
-        return self.demos.demonstrations()
-
     def chat_tokens(self) -> ChatTokens:
         """The collector's conversation format for this run."""
-        from tracerl.envs.tools import TOOL_SCHEMAS
-
-        tools = TOOL_SCHEMAS if self.config.rollout.show_tool_schemas else None
-        return ChatTokens(self.policy, tools=tools,
-                          system_prompt=self.config.rollout.system_prompt)
+        return setup.chat_tokens(self.config.rollout, self.policy)
 
     def check_first_prompts(self, candidates: int = 8) -> int:
-        """Refuse, before any compute, a recipe whose first prompt leaves no room to act: the
-        longest task statements (train and held-out, ``candidates`` of the longest by
-        characters), rendered as the run renders them, plus one turn's ``max_turn_tokens``
-        must fit the policy's context. Returns the longest first prompt's token count."""
-        rollout = self.config.rollout
-        by_id = {t.id: t for t in (*self.train_tasks, *self.heldout_tasks)}
-        statements = sorted((task_statement(t) for t in by_id.values()), key=len,
-                            reverse=True)[:candidates]
-        chat = self.chat_tokens()
-        longest = max((len(chat.first_prompt(text)) for text in statements), default=0)
-        context = self.policy.context_length
-        if context is not None and longest + rollout.max_turn_tokens > context:
-            schemas = "with" if rollout.show_tool_schemas else "without"
-            raise ValueError(
-                f"rollout: the longest first prompt is {longest} tokens ({schemas} the tools' "
-                f"schemas) and a turn may add rollout.max_turn_tokens {rollout.max_turn_tokens}"
-                f", but the policy's context is {context} tokens; set "
-                "rollout.show_tool_schemas: false, a smaller rollout.max_turn_tokens, or a "
-                "larger context (model.max_positions for a tiny model)")
-        return longest
+        """:func:`tracerl.train.setup.check_first_prompts` over the train and held-out tasks."""
+        return setup.check_first_prompts(self.config.rollout, self.policy,
+                                         [*self.train_tasks, *self.heldout_tasks], candidates)
 
     # -- warm start ---------------------------------------------------------------------------
-
-    def demonstration_sequences(self) -> tuple[list[TokenizedDemo], Redraw | None]:
-        """The demonstrations tokenized and their per-draw renaming
-        (:meth:`DemonstrationSet.sequences`): the warm start and ``update.sft_coef`` share them."""
-        return self.demos.sequences()
 
     def warm_start(self) -> None:
         """Supervised fine-tuning on the demonstrations; saves the result to ``sft/``."""
         sft = self.config.sft
-        sequences, redraw = self.demonstration_sequences()
+        sequences, redraw = self.demos.sequences()
         names = random.Random(f"{self.config.seed}:fresh-names")
-        kinds = Counter(d.kind for d in self.demonstrations())
+        kinds = Counter(d.kind for d in self.demos.demonstrations())
         result = supervised_finetune(
             self.actor.policy, sequences, steps=sft.steps, batch_size=sft.batch_size, lr=sft.lr,
             seed=self.config.seed, pad_id=int(self.tokenizer.pad_token_id),
@@ -596,7 +499,8 @@ class Trainer:
                 index = need[start:start + update.micro_batch_rows]
                 bootstrap[index] = self.actor.state_values(batch.continuation_ids[index],
                                                            batch.continuation_mask[index])
-            metrics["critic"] = self._critic_report(batch, rows, token_rewards)
+            metrics["critic"] = reports.critic_report(batch, rows.old_values, token_rewards,
+                                                      self.config.algorithm.gamma)
         result = compute_advantages(
             AdvantageInputs(batch, token_rewards, rows.old_values, bootstrap),
             self.config.algorithm)
@@ -604,7 +508,7 @@ class Trainer:
             {k: v for k, v in result.metrics.items() if k.startswith("advantage/")}, "advantage/")
         metrics["algorithm"] = {k.replace("/", "_"): v for k, v in result.metrics.items()
                                 if not k.startswith("advantage/")}
-        metrics["segmentation"] = groups.segmentation_report(batch, update.loss_mode,
+        metrics["segmentation"] = reports.segmentation_report(batch, update.loss_mode,
                                                       update.loss_constant)
         rows = dataclasses.replace(rows, advantages=result.advantages, returns=result.returns)
         return rows, metrics
@@ -616,7 +520,7 @@ class Trainer:
         if self.reference is None:
             source = self.run_dir / "sft" if (self.run_dir / "sft" / "DONE").is_file() else None
             if source is not None:
-                model, _ = self._load_model(source)
+                model, _ = setup.load_model(source)
             else:
                 model = copy.deepcopy(self.actor.policy)
             model.requires_grad_(False)
@@ -624,27 +528,6 @@ class Trainer:
                                                                     kind="none"),
                                          self.config.rollout.temperature).to(self.device)
         return self.reference
-
-    def _critic_report(self, batch: PackedBatch, rows: RowBatch,
-                       token_rewards: torch.Tensor) -> dict[str, float]:
-        """Explained variance of the old values against completed returns of this step's
-        attempts, which the critic has never been fitted on (they were just collected)."""
-        from tracerl.core import batch_gae
-
-        complete = (~batch.needs_bootstrap) & (batch.fragment_index == 0)
-        if not bool(complete.any()) or rows.old_values is None:
-            return {}
-        mask = batch.action_mask[complete]
-        _, returns = batch_gae(token_rewards[complete], torch.zeros(mask.shape), mask,
-                               torch.zeros(int(complete.sum())),
-                               gamma=self.config.algorithm.gamma, trace_decay=1.0)
-        target, predicted = returns[mask].double(), rows.old_values[complete][mask].double()
-        variance = float(target.var(unbiased=False))
-        explained = (1.0 - float((target - predicted).var(unbiased=False)) / variance
-                     if variance > 0 else 0.0)
-        return {"explained_variance_heldout": explained,
-                "predicted_return_mean": float(predicted.mean()),
-                "completed_return_mean": float(target.mean())}
 
     # -- update ---------------------------------------------------------------------------------
 
