@@ -26,8 +26,10 @@ ALLOWED: dict[str, frozenset[str]] = {
 ``testing``; ``eval`` never imports ``train``, so the trainer calling the evaluation library
 (scores and summaries of attempts, the report) is the one direction between them."""
 
-LONG_MODULES: frozenset[str] = frozenset({"train/trainer.py", "train/config.py", "trace/store.py"})
-"""Modules still over the 600-line limit, each to be split; no other may join them."""
+MAX_LINES = 600
+"""The most lines a module may have."""
+LONGER_MODULES: dict[str, int] = {"train/trainer.py": 700}
+"""The modules allowed more lines, and how many: the training loop reads top to bottom."""
 
 
 def _imports(path: Path) -> set[str]:
@@ -71,9 +73,11 @@ def test_no_library_module_imports_the_test_fixtures() -> None:
 
 
 def test_no_module_is_over_600_lines() -> None:
-    long = {str(p.relative_to(SRC)) for p in _modules()
-            if len(p.read_text().splitlines()) > 600}
-    assert long <= LONG_MODULES
+    lengths = {str(p.relative_to(SRC)): len(p.read_text().splitlines()) for p in _modules()}
+    long = {name: lines for name, lines in lengths.items()
+            if lines > LONGER_MODULES.get(name, MAX_LINES)}
+    assert long == {}
+    assert set(LONGER_MODULES) <= set(lengths)  # the exception names a module that exists
 
 
 def test_the_rollout_rooms_hold_their_modules() -> None:

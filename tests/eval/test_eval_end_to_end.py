@@ -340,7 +340,7 @@ def test_a_hacked_attempt_is_a_failure_everywhere_and_counted_as_a_hack(
         task_file: Path, policy_dir: Path, sandbox: Sandbox, tmp_path: Path) -> None:
     from tracerl.eval.runs import step_success
     from tracerl.eval.summary import succeeded, summarize
-    from tracerl.train.trainer import task_success_estimates
+    from tracerl.train.groups import task_success_estimates
 
     tasks = load_tasks(task_file)
 

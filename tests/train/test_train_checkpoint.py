@@ -42,19 +42,17 @@ def test_tracerl_eval_refuses_nan_weights_naming_the_tensor(
     assert not (tmp_path / "out.json").exists()
 
 
-def test_every_loader_checks_the_weights(poisoned: Path, tmp_path: Path) -> None:
+def test_every_loader_checks_the_weights(poisoned: Path) -> None:
     message = rf"tensor '{TENSOR}' has 3 NaN values"
     with pytest.raises(ValueError, match=message):
         load_policy(poisoned)
     with pytest.raises(ValueError, match=message):
         HFPolicy.from_pretrained(str(poisoned))
     # The trainer's loader: a resumed run (newest checkpoint), the warm start, model.path.
-    from tracerl.train.config import config_from_dict
-    from tracerl.train.trainer import Trainer
+    from tracerl.train.setup import load_model
 
-    trainer = Trainer(config_from_dict({"run_dir": str(tmp_path / "run")}))
     with pytest.raises(ValueError, match=message):
-        trainer._load_model(poisoned)
+        load_model(poisoned)
 
 
 def test_infinite_values_are_counted_and_finite_weights_pass() -> None:

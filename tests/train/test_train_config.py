@@ -102,7 +102,7 @@ def test_dump_round_trips(tmp_path: Path) -> None:
 
 
 def test_a_reused_run_dir_says_what_changed(tmp_path: Path) -> None:
-    from tracerl.train.trainer import Trainer
+    from tracerl.train.setup import check_config_file
 
     run = tmp_path / "run"
     run.mkdir()
@@ -110,7 +110,7 @@ def test_a_reused_run_dir_says_what_changed(tmp_path: Path) -> None:
     (run / "config.yaml").write_text(dump_config(old))
     new = load_config(None, [f"run_dir={run}", "rollout.max_turns=12", "sft.undo=true"])
     messages: list[str] = []
-    Trainer(new, log=messages.append)._check_config_file()
+    check_config_file(new, messages.append)
     (message,) = messages
     assert "already holds a run" in message
     assert "rollout.max_turns: 8 -> 12" in message and "sft.undo: False -> True" in message
@@ -118,7 +118,7 @@ def test_a_reused_run_dir_says_what_changed(tmp_path: Path) -> None:
     (kept,) = run.glob("config.*.yaml")
     assert load_config(kept) == old and kept.name in message
     # The same config again: nothing to say, nothing renamed.
-    Trainer(new, log=messages.append)._check_config_file()
+    check_config_file(new, messages.append)
     assert len(messages) == 1 and len(list(run.glob("config.*.yaml"))) == 1
     assert config_changes({"a": {"b": 1}}, {"a": {"b": 2}, "c": 3}) == [
         "a.b: 1 -> 2", "c: '(none)' -> 3"]

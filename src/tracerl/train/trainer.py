@@ -12,6 +12,14 @@ loses an update.
 Under torchrun, rank 0 runs this loop and the other ranks only share each update
 (:mod:`tracerl.train.ranks`); ``model.device`` says where the weights live, while batches,
 advantages and accounting stay on the CPU.
+
+The phases live here; what they call lives beside them: :mod:`tracerl.train.setup` (tasks,
+the policy loaded or built, the conversation format, the first-prompt check, ``config.yaml``),
+:mod:`tracerl.train.groups` (which tasks a step draws, the groups a killed run stored, task
+success estimates), :mod:`tracerl.train.reports` (each task's share of the loss weight, the
+critic's explained variance), :mod:`tracerl.train.average` (the weight average of
+``update.ema_decay``) and :mod:`tracerl.train.heldout` (the held-out evaluations and
+``summary.json``).
 """
 
 from __future__ import annotations
@@ -29,18 +37,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
-from tracerl.core import kl_reward_penalty, loss_weights, mismatch_metrics
-from tracerl.envs import CodingEnv, Sandbox, Task, load_tasks
-from tracerl.envs.coding import task_statement
-from tracerl.envs.suite import generate_split
-from tracerl.envs.suite.augment import renamed_copies
-from tracerl.envs.suite.demonstrator import Demonstration
+from tracerl.core import kl_reward_penalty, mismatch_metrics
+from tracerl.envs import CodingEnv, Sandbox, Task
 from tracerl.envs.tools import parse_tool_call
 from tracerl.eval.summary import succeeded
 from tracerl.models.device import resolve_device
-from tracerl.models.weights import check_finite_weights
 from tracerl.rollout import HFPolicy
 from tracerl.rollout.collect.chat_tokens import (
     CONVERSATION_FILE,
@@ -50,17 +52,18 @@ from tracerl.rollout.collect.chat_tokens import (
 )
 from tracerl.rollout.collect.collector import Collector
 from tracerl.rollout.settings import ROLLOUT_FILE, collector_config, rollout_json, write_rollout
-from tracerl.trace import Attempt, PackedBatch, Role, TraceStore, Turn, pack, read_attempts
-from tracerl.trace.schema import EndReason, Treatment, default_treatments
+from tracerl.trace import Attempt, PackedBatch, Role, TraceStore, Turn, pack
+from tracerl.trace.schema import Treatment, default_treatments
 from tracerl.train import checkpoint as ckpt
-from tracerl.train import ranks
+from tracerl.train import groups, heldout, ranks, reports, setup
 from tracerl.train.algorithms import (
     AdvantageInputs,
     compute_advantages,
     group_outcome_metrics,
 )
-from tracerl.train.config import TrainConfig, config_changes, dump_config
-from tracerl.train.demos import DemonstrationSet, Redraw, TokenizedDemo
+from tracerl.train.average import WeightAverage
+from tracerl.train.config import TrainConfig
+from tracerl.train.demos import DemonstrationSet
 from tracerl.train.metrics import MetricsWriter, StepProgress
 from tracerl.train.sft import supervised_finetune
 from tracerl.train.update import (
@@ -118,7 +121,7 @@ class Trainer:
                 self.warm_start()
         ranks.sync_parameters(self.actor, self.world_size)
         self.start_weight_average()
-        before = self.evaluate_once("before", steps=0, policy="warm start")
+        before = heldout.evaluate_once(self, "before", steps=0, policy="warm start")
         sampled = before["sampled"]
         self.before_turns = sampled.get("turns", 0) / max(sampled.get("attempts", 0), 1)
         with StepProgress(self.config.steps, enabled=self.config.progress,
@@ -151,15 +154,15 @@ class Trainer:
                 progress.advance(f"reward {metrics['reward']['mean']:.2f}  "
                                  f"{step_seconds:.0f}s/step")
         final = self.final_checkpoint()
-        kind = self.policy_kind()
+        kind = heldout.policy_kind(self)
         if self.ema is None:
             policy_dir = self.save_policy(self.run_dir / POLICY_DIR)
-            after = self.evaluate_once("after", steps=self.state.step, policy=kind)
-            return self.write_summary(before, after, policy_dir, final)
-        with self.averaged_weights():  # the run's policy is the average (update.ema_decay)
+            after = heldout.evaluate_once(self, "after", steps=self.state.step, policy=kind)
+            return heldout.write_summary(self, before, after, policy_dir, final)
+        with self.ema.held_by(self.actor.policy):  # the run's policy: the average
             policy_dir = self.save_policy(self.run_dir / POLICY_DIR)
-            after = self.evaluate_once("after", steps=self.state.step, policy=kind)
-        return self.write_summary(before, after, policy_dir, final)
+            after = heldout.evaluate_once(self, "after", steps=self.state.step, policy=kind)
+        return heldout.write_summary(self, before, after, policy_dir, final)
 
     def follow(self) -> dict[str, Any]:
         """The loop of a rank other than 0: take rank 0's weights, then for each step its
@@ -196,21 +199,20 @@ class Trainer:
         """Rank 0 (the only rank without torchrun) collects, evaluates and writes the run."""
         if self.lead:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._check_config_file()
-        self.train_tasks = self._with_copies(self._load_tasks("train"))
-        self.heldout_tasks = self._load_tasks("heldout")
+            setup.check_config_file(config, self.log)
+        self.train_tasks, self.heldout_tasks = setup.run_tasks(config)
         self.sandbox = Sandbox()
         self.demos = DemonstrationSet(config, self.train_tasks, self.sandbox)
         """The train split's demonstrations (warm start, tokenizer, ``update.sft_coef``)."""
         latest = ckpt.latest_checkpoint(self.run_dir)
         sft_dir = self.run_dir / "sft"
         if latest is not None:
-            model, tokenizer = self._load_model(latest)
+            model, tokenizer = setup.load_model(latest)
             self.log(f"resuming from {latest}")
         elif (sft_dir / "DONE").is_file():
-            model, tokenizer = self._load_model(sft_dir)
+            model, tokenizer = setup.load_model(sft_dir)
         else:
-            model, tokenizer = self._build_model()
+            model, tokenizer = setup.build_model(config, self.demos.tokenizer_texts)
         self.tokenizer = tokenizer
         self.actor = ActorCritic(model, config.critic, config.rollout.temperature).to(self.device)
         self.policy = HFPolicy(model, tokenizer, max_batch_size=config.rollout.concurrency)
@@ -221,7 +223,7 @@ class Trainer:
              {"params": self.actor.critic_parameters(), "lr": config.critic.lr}],
             config.update.weight_decay)
         self.generator = torch.Generator().manual_seed(config.seed)
-        self.ema: dict[str, torch.Tensor] | None = None
+        self.ema: WeightAverage | None = None
         """The moving average of the policy's weights (``update.ema_decay``), on rank 0."""
         if latest is not None:
             self.state, extra = ckpt.load_trainer_file(latest)
@@ -231,133 +233,37 @@ class Trainer:
             self.generator.set_state(extra["generator"])
             ckpt.set_rng_state(extra["rng"])
             if extra.get("ema") is not None and config.update.ema_decay is not None:
-                self.ema = {name: value.to(self.device) for name, value in extra["ema"].items()}
+                self.ema = WeightAverage({name: value.to(self.device)
+                                          for name, value in extra["ema"].items()},
+                                         config.update.ema_decay)
         self.policy.policy_version = self.state.policy_version
         self.reference: ActorCritic | None = None
         if self.lead:
             self.store = TraceStore(self.run_dir / "traces", fsync=False)
             self.metrics = MetricsWriter(self.run_dir, tensorboard=config.tensorboard)
 
-    def _check_config_file(self) -> None:
-        path = self.run_dir / "config.yaml"
-        text = dump_config(self.config)
-        if path.is_file() and path.read_text(encoding="utf-8") != text:
-            # The run's recipe changed under a resume: keep the old one visible, use the new,
-            # and say what changed (a run dir reused for a new experiment resumes the old run).
-            kept = self.run_dir / f"config.{int(time.time())}.yaml"
-            path.rename(kept)
-            changes = config_changes(yaml.safe_load(kept.read_text(encoding="utf-8")) or {},
-                                     yaml.safe_load(text))
-            self.log(f"{self.run_dir} already holds a run; its config changed ("
-                     + "; ".join(changes) + f"); the old one is kept as {kept.name}")
-        path.write_text(text, encoding="utf-8")
-
-    def _load_tasks(self, split: str) -> list[Task]:
-        """The tasks of "train" or "heldout", without renamed copies."""
-        tasks = self.config.tasks
-        source = tasks.train_file if split == "train" else tasks.heldout_file
-        if source is not None:
-            return list(load_tasks(source))
-        # The built-in tasks' budget is the rollout's turn cap, in training and evaluation.
-        turns = self.config.rollout.max_turns
-        if split == "heldout":
-            return generate_split("heldout", tasks.suite_seed, tasks.heldout_count,
-                                  max_turns=turns)
-        return generate_split("train", self._train_seed(), tasks.train_count,
-                              composed=tasks.composed_train, max_turns=turns)
-
-    def _train_seed(self) -> int:
-        tasks = self.config.tasks
-        return tasks.suite_seed if tasks.train_seed is None else tasks.train_seed
-
-    def _with_copies(self, tasks: list[Task]) -> list[Task]:
-        """``tasks`` followed by their renamed copies (``tasks.renamed_copies`` of each)."""
-        copies, seed = self.config.tasks.renamed_copies, self._train_seed()
-        return renamed_copies(tasks, copies, seed) if copies else tasks
-
     def make_env_factory(self, tasks: Sequence[Task]) -> Callable[[], CodingEnv]:
         """A factory of fresh environments over ``tasks`` (one per attempt)."""
         turns = self.config.rollout.max_turns
         return lambda: CodingEnv(tasks, sandbox=self.sandbox, max_turns=turns)
 
-    def _load_model(self, directory: Path) -> tuple[Any, Any]:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True,
-                                                     dtype=torch.float32)
-        check_finite_weights(model, directory)
-        return model, tokenizer
-
-    def _build_model(self) -> tuple[Any, Any]:
-        config = self.config
-        if config.model.kind == "pretrained":
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            assert config.model.path is not None
-            tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-            model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
-            return model, tokenizer
-        if config.model.path is not None:
-            return self._load_model(Path(config.model.path))
-        from tracerl.models.tiny import TinyModelConfig, build_tiny_model, train_tokenizer
-        from tracerl.models.words import WORDS
-
-        tokenizer = train_tokenizer(self.demos.tokenizer_texts(),
-                                    vocab_size=config.model.vocab_size, words=WORDS)
-        shape = TinyModelConfig(
-            hidden_size=config.model.hidden_size, num_layers=config.model.num_layers,
-            num_heads=config.model.num_heads, intermediate_size=config.model.intermediate_size,
-            max_positions=config.model.max_positions)
-        return build_tiny_model(tokenizer, shape, seed=config.seed), tokenizer
-
-    def demonstrations(self) -> list[Demonstration]:
-        """The (imperfect) demonstrations of the train split, made once per process."""
-        return self.demos.demonstrations()
-
     def chat_tokens(self) -> ChatTokens:
         """The collector's conversation format for this run."""
-        from tracerl.envs.tools import TOOL_SCHEMAS
-
-        tools = TOOL_SCHEMAS if self.config.rollout.show_tool_schemas else None
-        return ChatTokens(self.policy, tools=tools,
-                          system_prompt=self.config.rollout.system_prompt)
+        return setup.chat_tokens(self.config.rollout, self.policy)
 
     def check_first_prompts(self, candidates: int = 8) -> int:
-        """Refuse, before any compute, a recipe whose first prompt leaves no room to act: the
-        longest task statements (train and held-out, ``candidates`` of the longest by
-        characters), rendered as the run renders them, plus one turn's ``max_turn_tokens``
-        must fit the policy's context. Returns the longest first prompt's token count."""
-        rollout = self.config.rollout
-        by_id = {t.id: t for t in (*self.train_tasks, *self.heldout_tasks)}
-        statements = sorted((task_statement(t) for t in by_id.values()), key=len,
-                            reverse=True)[:candidates]
-        chat = self.chat_tokens()
-        longest = max((len(chat.first_prompt(text)) for text in statements), default=0)
-        context = self.policy.context_length
-        if context is not None and longest + rollout.max_turn_tokens > context:
-            schemas = "with" if rollout.show_tool_schemas else "without"
-            raise ValueError(
-                f"rollout: the longest first prompt is {longest} tokens ({schemas} the tools' "
-                f"schemas) and a turn may add rollout.max_turn_tokens {rollout.max_turn_tokens}"
-                f", but the policy's context is {context} tokens; set "
-                "rollout.show_tool_schemas: false, a smaller rollout.max_turn_tokens, or a "
-                "larger context (model.max_positions for a tiny model)")
-        return longest
+        """:func:`tracerl.train.setup.check_first_prompts` over the train and held-out tasks."""
+        return setup.check_first_prompts(self.config.rollout, self.policy,
+                                         [*self.train_tasks, *self.heldout_tasks], candidates)
 
     # -- warm start ---------------------------------------------------------------------------
-
-    def demonstration_sequences(self) -> tuple[list[TokenizedDemo], Redraw | None]:
-        """The demonstrations tokenized and their per-draw renaming
-        (:meth:`DemonstrationSet.sequences`): the warm start and ``update.sft_coef`` share them."""
-        return self.demos.sequences()
 
     def warm_start(self) -> None:
         """Supervised fine-tuning on the demonstrations; saves the result to ``sft/``."""
         sft = self.config.sft
-        sequences, redraw = self.demonstration_sequences()
+        sequences, redraw = self.demos.sequences()
         names = random.Random(f"{self.config.seed}:fresh-names")
-        kinds = Counter(d.kind for d in self.demonstrations())
+        kinds = Counter(d.kind for d in self.demos.demonstrations())
         result = supervised_finetune(
             self.actor.policy, sequences, steps=sft.steps, batch_size=sft.batch_size, lr=sft.lr,
             seed=self.config.seed, pad_id=int(self.tokenizer.pad_token_id),
@@ -399,38 +305,21 @@ class Trainer:
             torch.set_num_threads(previous)
 
     def choose_tasks(self, step: int, count: int, exclude: set[str]) -> list[Task]:
-        """Tasks of one step: success-weighted (keeps groups mixed) or a seeded sweep."""
-        rng = random.Random(f"{self.config.seed}:tasks:{step}:{len(exclude)}")
-        pool = [t for t in self.train_tasks if t.id not in exclude]
-        dynamic = self.config.dynamic
-        if dynamic.success_sampling:
-            group = self.config.rollout.group_size
-            weights = []
-            for task in pool:
-                p = self.state.task_success.get(task.id, dynamic.success_prior)
-                mixed = 1.0 - p**group - (1.0 - p) ** group  # P_mix: a group that varies
-                weights.append(max(dynamic.min_weight, mixed))
-            chosen: list[Task] = []
-            while pool and len(chosen) < count:
-                pick = rng.choices(range(len(pool)), weights=weights)[0]
-                chosen.append(pool.pop(pick))
-                weights.pop(pick)
-            return chosen
-        epoch_size = max(1, len(self.train_tasks) // count)
-        order = list(self.train_tasks)
-        random.Random(f"{self.config.seed}:sweep:{step // epoch_size}").shuffle(order)
-        start = (step % epoch_size) * count
-        chosen = [t for t in order[start:start + count] if t.id not in exclude]
-        return chosen or rng.sample(pool, min(count, len(pool)))
+        """Tasks of one step (:func:`tracerl.train.groups.choose_tasks`)."""
+        return groups.choose_tasks(self.train_tasks, step, count, exclude,
+                                   seed=self.config.seed, dynamic=self.config.dynamic,
+                                   group_size=self.config.rollout.group_size,
+                                   task_success=self.state.task_success)
 
     def collect(self, step: int) -> tuple[list[Attempt], list[Attempt], dict[str, Any]]:
         """Collect the step's groups, reusing complete groups a killed run already stored
-        (every member ended with an ending the step trains on; see :func:`_complete_group`).
+        (every member ended with an ending the step trains on; see
+        :func:`tracerl.train.groups.complete_group`).
 
         Returns the attempts to train on (uniform groups left out when dynamic sampling filters
         them), every attempt the step produced (for outcomes and costs), and metrics."""
         rollout, dynamic = self.config.rollout, self.config.dynamic
-        stored = self._stored_groups(step)
+        stored = groups.stored_groups(self.store, step)
         trained = frozenset(reason for reason, treatment
                             in default_treatments(self.actor.has_critic).items()
                             if treatment in (Treatment.SCORE, Treatment.BOOTSTRAP))
@@ -450,7 +339,8 @@ class Trainer:
             attempts: list[Attempt] = []
             fresh: list[Task] = []
             for task in tasks:
-                group = _complete_group(stored, run_id, task.id, rollout.group_size, trained)
+                group = groups.complete_group(stored, run_id, task.id, rollout.group_size,
+                                              trained)
                 if group is not None:
                     attempts.extend(group)
                     reused += 1
@@ -475,7 +365,7 @@ class Trainer:
                 seconds["generation"] += result.generation_seconds
                 seconds["wall"] += result.wall_seconds
             spent.extend(attempts)
-            for members in _by_group(attempts).values():
+            for members in groups.by_group(attempts).values():
                 rewards = [a.reward for a in members if a.reward is not None]
                 uniform = len(set(rewards)) <= 1
                 if dynamic.filter_uniform and uniform:
@@ -492,17 +382,6 @@ class Trainer:
                                                "rounds": len(used) and round_index + 1},
                                    "time": {"generation_seconds": seconds["generation"]}}
         return kept, spent, metrics
-
-    def _stored_groups(self, step: int) -> dict[str, list[Attempt]]:
-        """Groups of ``step`` a previous process stored before it died (empty normally)."""
-        prefix = f"s{step:05d}r"
-        if not any(i.startswith(prefix) for i in self.store.attempt_ids):
-            return {}
-        groups: dict[str, list[Attempt]] = defaultdict(list)
-        for attempt in read_attempts(self.store.directory):
-            if attempt.group_id.startswith(prefix):
-                groups[attempt.group_id].append(attempt)
-        return {g: sorted(m, key=lambda a: a.attempt_id) for g, m in groups.items()}
 
     # -- verify -------------------------------------------------------------------------------
 
@@ -555,14 +434,14 @@ class Trainer:
                     and a.end_reason.value not in ("tool_error", "cancelled")]
         if outcomes:
             index = {g: i for i, g in enumerate(dict.fromkeys(g for g, _ in outcomes))}
-            groups = group_outcome_metrics(
+            outcome = group_outcome_metrics(
                 torch.tensor([r for _, r in outcomes], dtype=torch.float64),
                 torch.tensor([index[g] for g, _ in outcomes]))
-            total = max(1.0, groups["groups/count"])
-            metrics["groups"] = {"count": groups["groups/count"],
-                                 "uniform_rate": groups["groups/uniform_fraction"],
-                                 "all_zero_rate": groups["groups/uniform_zero"] / total,
-                                 "all_one_rate": groups["groups/uniform_one"] / total}
+            total = max(1.0, outcome["groups/count"])
+            metrics["groups"] = {"count": outcome["groups/count"],
+                                 "uniform_rate": outcome["groups/uniform_fraction"],
+                                 "all_zero_rate": outcome["groups/uniform_zero"] / total,
+                                 "all_one_rate": outcome["groups/uniform_one"] / total}
         self.last_attempts = attempts
         return batch, metrics
 
@@ -620,7 +499,8 @@ class Trainer:
                 index = need[start:start + update.micro_batch_rows]
                 bootstrap[index] = self.actor.state_values(batch.continuation_ids[index],
                                                            batch.continuation_mask[index])
-            metrics["critic"] = self._critic_report(batch, rows, token_rewards)
+            metrics["critic"] = reports.critic_report(batch, rows.old_values, token_rewards,
+                                                      self.config.algorithm.gamma)
         result = compute_advantages(
             AdvantageInputs(batch, token_rewards, rows.old_values, bootstrap),
             self.config.algorithm)
@@ -628,7 +508,7 @@ class Trainer:
             {k: v for k, v in result.metrics.items() if k.startswith("advantage/")}, "advantage/")
         metrics["algorithm"] = {k.replace("/", "_"): v for k, v in result.metrics.items()
                                 if not k.startswith("advantage/")}
-        metrics["segmentation"] = segmentation_report(batch, update.loss_mode,
+        metrics["segmentation"] = reports.segmentation_report(batch, update.loss_mode,
                                                       update.loss_constant)
         rows = dataclasses.replace(rows, advantages=result.advantages, returns=result.returns)
         return rows, metrics
@@ -640,7 +520,7 @@ class Trainer:
         if self.reference is None:
             source = self.run_dir / "sft" if (self.run_dir / "sft" / "DONE").is_file() else None
             if source is not None:
-                model, _ = self._load_model(source)
+                model, _ = setup.load_model(source)
             else:
                 model = copy.deepcopy(self.actor.policy)
             model.requires_grad_(False)
@@ -648,27 +528,6 @@ class Trainer:
                                                                     kind="none"),
                                          self.config.rollout.temperature).to(self.device)
         return self.reference
-
-    def _critic_report(self, batch: PackedBatch, rows: RowBatch,
-                       token_rewards: torch.Tensor) -> dict[str, float]:
-        """Explained variance of the old values against completed returns of this step's
-        attempts, which the critic has never been fitted on (they were just collected)."""
-        from tracerl.core import batch_gae
-
-        complete = (~batch.needs_bootstrap) & (batch.fragment_index == 0)
-        if not bool(complete.any()) or rows.old_values is None:
-            return {}
-        mask = batch.action_mask[complete]
-        _, returns = batch_gae(token_rewards[complete], torch.zeros(mask.shape), mask,
-                               torch.zeros(int(complete.sum())),
-                               gamma=self.config.algorithm.gamma, trace_decay=1.0)
-        target, predicted = returns[mask].double(), rows.old_values[complete][mask].double()
-        variance = float(target.var(unbiased=False))
-        explained = (1.0 - float((target - predicted).var(unbiased=False)) / variance
-                     if variance > 0 else 0.0)
-        return {"explained_variance_heldout": explained,
-                "predicted_return_mean": float(predicted.mean()),
-                "completed_return_mean": float(target.mean())}
 
     # -- update ---------------------------------------------------------------------------------
 
@@ -699,7 +558,7 @@ class Trainer:
 
     def finish_step(self, metrics: dict[str, Any], step_seconds: float) -> None:
         """Update task-success estimates, log the step, checkpoint."""
-        self.state.task_success = task_success_estimates(
+        self.state.task_success = groups.task_success_estimates(
             self.state.task_success, self.last_attempts, prior=self.config.dynamic.success_prior,
             ema=self.config.dynamic.success_ema)
         costs = metrics.get("costs", {})
@@ -718,7 +577,8 @@ class Trainer:
                  f"turns {metrics['horizon']['turns']:.1f}, {step_seconds:.0f}s "
                  f"(collect {self.timings['collect']:.0f}s, update "
                  f"{self.timings['update']:.0f}s so far)")
-        self.update_weight_average()
+        if self.ema is not None:
+            self.ema.update(self.actor.policy)
         self.state.step += 1
         last = self.state.step >= self.config.steps or not self.tokens_left_for_step()
         if last or self.state.step % self.config.checkpoint_every == 0:
@@ -729,7 +589,8 @@ class Trainer:
         """Checkpoint the run as it is now."""
         extra = {"optimizer": self.optimizer.state_dict(),
                  "critic": self.actor.critic_state() if self.actor.has_critic else None,
-                 "generator": self.generator.get_state(), "ema": self.ema}
+                 "generator": self.generator.get_state(),
+                 "ema": None if self.ema is None else self.ema.weights}
         path = ckpt.save_checkpoint(self.run_dir, self.state, self.actor.policy, self.tokenizer,
                                     extra, files={CONVERSATION_FILE: self._conversation(),
                                                   ROLLOUT_FILE: rollout_json(self.config.rollout)})
@@ -768,38 +629,13 @@ class Trainer:
 
     def start_weight_average(self) -> None:
         """Start the average at the weights RL starts from, unless a checkpoint brought one."""
-        if self.config.update.ema_decay is None or self.ema is not None:
+        decay = self.config.update.ema_decay
+        if decay is None or self.ema is not None:
             return
         if self.state.step:
             self.log(f"update.ema_decay: checkpoint step {self.state.step} has no weight "
                      "average (the run was started without one); it starts here")
-        self.ema = {name: value.detach().clone()
-                    for name, value in self.actor.policy.named_parameters()}
-
-    @torch.no_grad()
-    def update_weight_average(self) -> None:
-        """``ema <- decay * ema + (1 - decay) * weights``, once per RL step."""
-        if self.ema is None or self.config.update.ema_decay is None:
-            return
-        weight = 1.0 - self.config.update.ema_decay
-        for name, value in self.actor.policy.named_parameters():
-            self.ema[name].lerp_(value.detach(), weight)
-
-    @contextlib.contextmanager
-    def averaged_weights(self) -> Iterator[None]:
-        """The policy holds the averaged weights inside the block, its own ones again after."""
-        assert self.ema is not None
-        parameters = dict(self.actor.policy.named_parameters())
-        own = {name: value.detach().clone() for name, value in parameters.items()}
-        with torch.no_grad():
-            for name, value in parameters.items():
-                value.copy_(self.ema[name])
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for name, value in parameters.items():
-                    value.copy_(own[name])
+        self.ema = WeightAverage.start(self.actor.policy, decay)
 
     def time_left_for_step(self) -> bool:
         """Whether another step and the final evaluation fit in ``max_seconds``."""
@@ -832,148 +668,10 @@ class Trainer:
 
     # -- evaluate -------------------------------------------------------------------------------
 
-    def policy_kind(self) -> str:
-        """What the run's policy is: its last iterate or the weight average."""
-        if self.ema is None:
-            return "last checkpoint"
-        return f"weight average, update.ema_decay {self.config.update.ema_decay}"
-
     def evaluate(self, label: str, policy: str = "last checkpoint",
                  steps: int | None = None) -> dict[str, Any]:
-        """Held-out success with a fixed budget: K samples per task at the rollout temperature,
-        and one greedy attempt per task; hidden-test verdicts, task-level bootstrap CIs. Each
-        is :func:`tracerl.eval.evaluate.evaluate`, the function of ``tracerl eval``, with the
-        run's ``rollout`` config. The files record ``policy`` (what the model holds) and
-        ``steps``, the RL steps behind it (default: the steps completed)."""
-        from tracerl.eval.evaluate import EvalSettings, evaluate
-
-        tasks = self.heldout_tasks[: self.config.eval.tasks or len(self.heldout_tasks)]
-        seed = self.config.seed + 7919  # the same evaluation seeds before and after training
-        out: dict[str, Any] = {}
-        rollout = self.config.rollout
-        runs = [("sampled", rollout, self.config.eval.samples_per_task)]
-        if self.config.eval.greedy:
-            runs.append(("greedy", dataclasses.replace(rollout, temperature=0.0), 1))
-        for name, decoding, samples in runs:
-            settings = EvalSettings(samples=samples, rollout=decoding, seed=seed,
-                                    bootstrap_resamples=self.config.eval.bootstrap_resamples)
-            with self.collecting_threads():
-                summary = evaluate(self.policy, tasks, settings, sandbox=self.sandbox,
-                                   store_dir=self.run_dir / "eval" / f"{label}-{name}",
-                                   run_id=f"{label}-{name}", fsync=False,
-                                   make_env=self.make_env_factory(tasks))
-            summary["temperature"] = decoding.temperature
-            summary["rl_steps"] = self.state.step if steps is None else steps
-            summary["policy"] = policy
-            (self.run_dir / f"eval_{label}_{name}.json").write_text(
-                json.dumps(summary, indent=1), encoding="utf-8")
-            out[name] = {k: summary[k] for k in ("success", "ci95", "pass_at_k",
-                                                 "generated_tokens", "tool_seconds", "turns",
-                                                 "attempts", "behaviour", "per_task")}
-        return out
-
-    def evaluate_once(self, label: str, *, steps: int, policy: str) -> dict[str, Any]:
-        """``evaluate`` unless this run already wrote that evaluation of ``policy`` after
-        ``steps`` RL steps (a run restarted after its last step); a finished run continued
-        with more steps, or another kind of policy, is evaluated again."""
-        files = {n: self.run_dir / f"eval_{label}_{n}.json" for n in ("sampled", "greedy")}
-        wanted = ["sampled", "greedy"] if self.config.eval.greedy else ["sampled"]
-        if all(files[n].is_file() for n in wanted):
-            found = {n: json.loads(files[n].read_text(encoding="utf-8")) for n in wanted}
-            # Files written before these fields existed are taken for what they can only be
-            # sure to hold: an evaluation before any RL step.
-            if all(f.get("rl_steps", 0) == steps and f.get("policy", policy) == policy
-                   for f in found.values()):
-                return found
-            self.log(f"evaluation {label}: the files hold another policy or step count; "
-                     "evaluating again (the earlier attempts are kept beside the new ones)")
-            for name, found_file in found.items():
-                recorded = found_file.get("rl_steps")
-                self._keep_aside(self.run_dir / "eval" / f"{label}-{name}",
-                                 None if recorded is None else int(recorded))
-        started = time.perf_counter()
-        with self.phase("evaluate"):
-            result = self.evaluate(label, policy, steps)
-        self.timings[f"evaluate_{label}"] = time.perf_counter() - started
-        self.log(f"evaluation {label}: sampled {result['sampled']['success']:.3f}"
-                 + (f", greedy {result['greedy']['success']:.3f}" if "greedy" in result else "")
-                 + f" ({self.timings[f'evaluate_{label}']:.0f}s)")
-        return result
-
-    @staticmethod
-    def _keep_aside(store_dir: Path, steps: int | None) -> None:
-        """Rename an evaluation's trace store so that a new evaluation under the same label
-        writes a store of its own (attempt ids repeat, and a store keeps the first of each).
-        ``steps``: the RL steps behind it (None: not recorded)."""
-        if not store_dir.exists():
-            return
-        for copy_number in range(1000):
-            suffix = ".earlier" if steps is None else f".rl_steps-{steps:05d}"
-            suffix += f".{copy_number}" if copy_number else ""
-            target = store_dir.with_name(store_dir.name + suffix)
-            if not target.exists():
-                store_dir.rename(target)
-                return
-        raise RuntimeError(f"{store_dir}: too many earlier evaluations kept beside it")
-
-    def write_summary(self, before: dict[str, Any], after: dict[str, Any], policy_dir: Path,
-                      last_checkpoint: Path) -> dict[str, Any]:
-        """``summary.json``: held-out success before and after, costs, where the policy is
-        (``policy_dir``: the one evaluated after training; ``last_checkpoint``: the raw
-        weights of the last step)."""
-        greedy = self.config.eval.greedy
-        sampled_b, sampled_a = before["sampled"], after["sampled"]
-        train_tokens = self.state.totals.get("generated_tokens", 0.0)
-        eval_tokens = sum(r[n]["generated_tokens"] for r in (before, after) for n in r)
-        summary: dict[str, Any] = {
-            "heldout_success_before": sampled_b["success"],
-            "heldout_success_after": sampled_a["success"],
-            "heldout_greedy_before": before["greedy"]["success"] if greedy else None,
-            "heldout_greedy_after": after["greedy"]["success"] if greedy else None,
-            "heldout_ci95_before": sampled_b["ci95"],
-            "heldout_ci95_after": sampled_a["ci95"],
-            "heldout_greedy_ci95_before": before["greedy"]["ci95"] if greedy else None,
-            "heldout_greedy_ci95_after": after["greedy"]["ci95"] if greedy else None,
-            "heldout_pass_at_k_before": sampled_b["pass_at_k"],
-            "heldout_pass_at_k_after": sampled_a["pass_at_k"],
-            # The gains, each with a bootstrap interval paired by task (eval.stats).
-            "heldout_gain": sampled_a["success"] - sampled_b["success"],
-            "heldout_gain_ci95": self._gain_ci(sampled_b, sampled_a),
-            "heldout_gain_over_greedy": (sampled_a["success"] - before["greedy"]["success"]
-                                         if greedy else None),
-            "heldout_gain_over_greedy_ci95": (self._gain_ci(before["greedy"], sampled_a)
-                                              if greedy else None),
-            # Sampled attempts: edits that applied, what followed a FAIL (eval.behaviour).
-            "heldout_behaviour_before": sampled_b.get("behaviour"),
-            "heldout_behaviour_after": sampled_a.get("behaviour"),
-            "samples_per_task": self.config.eval.samples_per_task,
-            "heldout_tasks": len(self.heldout_tasks[: self.config.eval.tasks
-                                                    or len(self.heldout_tasks)]),
-            "temperature": self.config.rollout.temperature,
-            "top_p": self.config.rollout.top_p,
-            "top_k": self.config.rollout.top_k,
-            "policy_dir": str(policy_dir),
-            "policy": self.policy_kind(),
-            "last_checkpoint": str(last_checkpoint),
-            "sft_dir": str(self.run_dir / "sft") if self.config.sft.enabled else None,
-            "rl_steps": self.state.step,
-            "wall_seconds": time.perf_counter() - self.started,
-            "generated_tokens": int(train_tokens + eval_tokens),
-            "tool_seconds": self.state.totals.get("tool_seconds", 0.0) + sum(
-                r[n]["tool_seconds"] for r in (before, after) for n in r),
-            "phase_seconds": {k: v for k, v in self.timings.items()},
-        }
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1),
-                                                   encoding="utf-8")
-        self.close()
-        return summary
-
-    def _gain_ci(self, before: dict[str, Any], after: dict[str, Any]) -> list[float]:
-        """Paired task-level bootstrap interval of ``after``'s success minus ``before``'s."""
-        from tracerl.eval.summary import gain_ci
-
-        return gain_ci(before, after, seed=self.config.seed,
-                       resamples=self.config.eval.bootstrap_resamples)
+        """Held-out success of the policy as it is now (:func:`tracerl.train.heldout.evaluate`)."""
+        return heldout.evaluate(self, label, policy, steps)
 
     def close(self) -> None:
         """Seal the trace store and close the metrics files (rank 0 holds them)."""
@@ -982,77 +680,5 @@ class Trainer:
             self.metrics.close()
 
 
-def segmentation_report(batch: PackedBatch, mode: Any, constant: float | None
-                        ) -> dict[str, float]:
-    """Each task's share of the loss weight with its attempts' fragments as packed, and as if
-    each attempt were one row; the largest change shows what compaction did to the weights."""
-    mask = batch.action_mask
-    if not bool(mask.any()):
-        return {}
-    tasks = batch.task_index
-    try:
-        split = loss_weights(mask, mode, tasks, constant).sum(-1)
-    except ValueError:
-        return {}
-    per_attempt = torch.zeros(len(batch.attempt_ids))
-    per_attempt.index_add_(0, batch.attempt_index, mask.sum(-1).float())
-    width = int(per_attempt.max())
-    whole = torch.arange(width)[None, :] < per_attempt[:, None]
-    attempt_task = torch.zeros(len(batch.attempt_ids), dtype=torch.long)
-    attempt_task[batch.attempt_index] = tasks
-    try:
-        joined = loss_weights(whole, mode, attempt_task, constant).sum(-1)
-    except ValueError:
-        return {}
-    count = int(tasks.max()) + 1
-    share_split = torch.zeros(count, dtype=torch.float64).index_add_(0, tasks, split)
-    share_joined = torch.zeros(count, dtype=torch.float64).index_add_(0, attempt_task, joined)
-    return {"max_task_share_change": float((share_split - share_joined).abs().max()),
-            "split_attempts": float((torch.bincount(batch.attempt_index) > 1).sum()),
-            "max_task_share": float(share_split.max())}
-
-
 def _strip(metrics: dict[str, float], prefix: str) -> dict[str, float]:
     return {k.removeprefix(prefix): v for k, v in metrics.items() if math.isfinite(v)}
-
-
-def _complete_group(stored: dict[str, list[Attempt]], run_id: str, task_id: str, size: int,
-                    trained: frozenset[EndReason]) -> list[Attempt] | None:
-    """A group of ``task_id`` stored under ``run_id`` or one of its retries that the step can
-    use as it is: ``size`` members, each ended with an ending in ``trained`` (treated ``score``
-    or ``bootstrap``). A group whose members a Ctrl-C cancelled has ``size`` members too, but
-    reusing it would train the resumed step on fewer attempts than an uninterrupted one (the
-    cancelled ones are excluded), so it is collected anew."""
-    for group_id, members in sorted(stored.items()):
-        base, _, task = group_id.partition(":")
-        if (task == task_id and base.split("-re")[0] == run_id and len(members) == size
-                and all(a.end_reason in trained for a in members)):
-            return members
-    return None
-
-
-def task_success_estimates(estimates: dict[str, float], attempts: Sequence[Attempt], *,
-                           prior: float, ema: float) -> dict[str, float]:
-    """Each task's success estimate moved toward the share of ``attempts`` that solved it
-    (``eval.summary.succeeded``: verified and not flagged by the audit, so success-weighted
-    task sampling never takes a hacked attempt for a solved task); a task never tried before
-    starts from ``prior``. Tasks without attempts keep their estimate."""
-    out = dict(estimates)
-    for task_id, members in _by_task(attempts).items():
-        rate = sum(float(succeeded(a)) for a in members) / len(members)
-        out[task_id] = (1 - ema) * out.get(task_id, prior) + ema * rate
-    return out
-
-
-def _by_group(attempts: Sequence[Attempt]) -> dict[str, list[Attempt]]:
-    groups: dict[str, list[Attempt]] = defaultdict(list)
-    for attempt in attempts:
-        groups[attempt.group_id].append(attempt)
-    return groups
-
-
-def _by_task(attempts: Sequence[Attempt]) -> dict[str, list[Attempt]]:
-    tasks: dict[str, list[Attempt]] = defaultdict(list)
-    for attempt in attempts:
-        tasks[attempt.task_id].append(attempt)
-    return tasks

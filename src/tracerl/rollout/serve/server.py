@@ -53,16 +53,18 @@ from tracerl.rollout.serve.recorder import (
     normalize_message,
     parse_hermes_tool_calls,
 )
+from tracerl.rollout.serve.requests import (
+    MAX_TOP_LOGPROBS,
+    RequestError,
+    int_field,
+    sampling_from_request,
+)
 from tracerl.rollout.settings import RolloutConfig
 from tracerl.trace.schema import EndReason
 from tracerl.trace.schema import SamplingParams as TraceSamplingParams
 
 SESSION_HEADER = "x-tracerl-session"
 """Request header naming the session a request belongs to (takes precedence over ``user``)."""
-MAX_TOP_LOGPROBS = 20
-"""Most alternatives per position, as in the OpenAI API."""
-
-
 class ServedPolicy(Protocol):
     """What the server needs of a policy (``HFPolicy`` provides it)."""
 
@@ -73,66 +75,6 @@ class ServedPolicy(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Any]:
         """One completion per prompt (``token_ids``, ``logprobs``, ``finish_reason``, ``text``)."""
         ...
-
-
-class RequestError(ValueError):
-    """A bad request: answered 400 with an OpenAI-style error body."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def _int_field(body: dict[str, Any], name: str, default: int | None, low: int) -> int | None:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise RequestError(f"{name} must be an integer >= {low}, got {value!r}", name)
-    return value
-
-
-def sampling_from_request(
-    body: dict[str, Any], *, default_max_tokens: int, stop_token_ids: tuple[int, ...] | None
-) -> tuple[SamplingParams, int]:
-    """SamplingParams and ``n`` from an OpenAI request body (RequestError on bad fields)."""
-    stop = body.get("stop")
-    if stop is None:
-        stop_strings: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stop_strings = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stop_strings = tuple(stop)
-    else:
-        raise RequestError("stop must be a string or a list of strings", "stop")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    if body.get("ignore_eos"):
-        stop_token_ids = ()
-    extra_stop_ids = body.get("stop_token_ids")
-    if extra_stop_ids is not None:
-        if not isinstance(extra_stop_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in extra_stop_ids
-        ):
-            raise RequestError("stop_token_ids must be a list of token ids", "stop_token_ids")
-        stop_token_ids = tuple(stop_token_ids or ()) + tuple(extra_stop_ids)
-    try:
-        params = SamplingParams(
-            temperature=float(body.get("temperature", 1.0) if body.get("temperature") is not None
-                              else 1.0),
-            top_p=float(body.get("top_p", 1.0) if body.get("top_p") is not None else 1.0),
-            top_k=max(0, int(body.get("top_k") or 0)),
-            max_new_tokens=max_tokens,
-            stop_token_ids=stop_token_ids,
-            stop_strings=tuple(s for s in stop_strings if s),
-            seed=body.get("seed"),
-        )
-    except (ValueError, TypeError) as error:
-        raise RequestError(str(error)) from error
-    n = _int_field(body, "n", 1, 1)
-    assert n is not None
-    return params, n
 
 
 class TracingServer:
@@ -375,7 +317,7 @@ def chat_completion(server: TracingServer, body: dict[str, Any], session: str | 
         raise RequestError("a recorded session samples one choice per request (n=1); "
                            "branches belong to separate sessions", "n")
     want_logprobs = bool(body.get("logprobs"))
-    top_k = _int_field(body, "top_logprobs", 0, 0) or 0
+    top_k = int_field(body, "top_logprobs", 0, 0) or 0
     if top_k > MAX_TOP_LOGPROBS:
         raise RequestError(f"top_logprobs must be <= {MAX_TOP_LOGPROBS}", "top_logprobs")
     if top_k and not want_logprobs:
@@ -464,7 +406,7 @@ def text_completion(server: TracingServer, body: dict[str, Any], session: str | 
                                       stop_token_ids=None)
     if session is not None and n * len(prompts) != 1:
         raise RequestError("a recorded session samples one completion per request", "n")
-    n_logprobs = _int_field(body, "logprobs", None, 0)
+    n_logprobs = int_field(body, "logprobs", None, 0)
     if n_logprobs is not None and n_logprobs > MAX_TOP_LOGPROBS:
         raise RequestError(f"logprobs must be <= {MAX_TOP_LOGPROBS}", "logprobs")
     as_ids = bool(body.get("return_tokens_as_token_ids"))
