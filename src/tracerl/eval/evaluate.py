@@ -86,7 +86,6 @@ def load_policy(path: str | Path, device: str = "cpu") -> Any:
     import torch
 
     from tracerl.models.device import resolve_device
-    from tracerl.models.weights import check_finite_weights
     from tracerl.rollout.policies.hf import HFPolicy
 
     where = resolve_device(device, field="--device")
@@ -101,11 +100,12 @@ def load_policy(path: str | Path, device: str = "cpu") -> Any:
         from tracerl.models.tiny import load_tiny
 
         model, tokenizer = load_tiny(directory)
+    except ValueError:
+        raise  # load_tiny's own message (e.g. a tensor that is not finite) names the problem
     except Exception as error:  # transformers raises many kinds; say which and why
         raise ValueError(f"--policy {str(directory)!r}: could not be loaded: "
                          f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
                          ) from None
-    check_finite_weights(model, directory)
     torch.nn.Module.to(model, where)  # in place: a module moves its own parameters
     return HFPolicy(model, tokenizer)
 

@@ -276,7 +276,10 @@ def save_tiny(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: 
 
 
 def load_tiny(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a directory written by ``save_tiny`` (or any local causal LM) in float32, offline."""
+    """Load a directory written by ``save_tiny`` (or any local causal LM) in float32, offline;
+    ValueError naming the tensor when a weight is NaN or infinite."""
+    from tracerl.models.weights import check_finite_weights
+
     directory = Path(path)
     if not (directory / "config.json").is_file():
         raise ValueError(f"path {str(directory)!r} holds no model (config.json is missing)")
@@ -284,5 +287,6 @@ def load_tiny(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
     model = AutoModelForCausalLM.from_pretrained(
         directory, local_files_only=True, dtype=torch.float32
     )
+    check_finite_weights(model, directory)
     return model, tokenizer
 

@@ -53,7 +53,6 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"serve needs the serve extra ({error.name} is missing): "
                          "pip install 'tracerl[serve]'") from None
     from tracerl.models.tiny import load_tiny
-    from tracerl.models.weights import check_finite_weights
     from tracerl.rollout.policies.hf import HFPolicy
     from tracerl.rollout.serve.recorder import SessionRecorder
     from tracerl.rollout.serve.server import TracingServer, run_server
@@ -62,8 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     # A policy saved by a tracerl run is served as its run decoded it.
     rollout = read_rollout(args.model)
-    model, tokenizer = load_tiny(args.model)
-    check_finite_weights(model, args.model)
+    model, tokenizer = load_tiny(args.model)  # refuses non-finite weights
     policy = HFPolicy(model, tokenizer, policy_version=args.policy_version,
                       max_batch_size=args.max_batch_size)
     name = args.name or Path(args.model).resolve().name

@@ -20,7 +20,7 @@ from tracerl.envs import Task, load_tasks
 from tracerl.envs.coding import task_statement
 from tracerl.envs.suite import generate_split
 from tracerl.envs.suite.augment import renamed_copies
-from tracerl.models.weights import check_finite_weights
+from tracerl.models.tiny import load_tiny
 from tracerl.rollout import HFPolicy
 from tracerl.rollout.collect.chat_tokens import ChatTokens
 from tracerl.rollout.settings import RolloutConfig
@@ -77,13 +77,7 @@ def _train_seed(config: TrainConfig) -> int:
 
 def load_model(directory: Path) -> tuple[Any, Any]:
     """The model and tokenizer saved in ``directory`` (refused if a weight is not finite)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True,
-                                                 dtype=torch.float32)
-    check_finite_weights(model, directory)
-    return model, tokenizer
+    return load_tiny(directory)
 
 
 def build_model(config: TrainConfig, tokenizer_texts: Callable[[], Sequence[str]]
