@@ -22,7 +22,13 @@ from tracerl.models.lora import (
     load_with_adapter,
     save_adapter,
 )
-from tracerl.models.tiny import TinyModelConfig, build_tiny_model, load_tiny, save_tiny, train_tokenizer
+from tracerl.models.tiny import (
+    TinyModelConfig,
+    build_tiny_model,
+    load_tiny,
+    save_tiny,
+    train_tokenizer,
+)
 
 SETTINGS = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
 
@@ -166,3 +172,17 @@ def test_without_peft_asking_for_lora_says_how_to_install_it(
     with pytest.raises(ImportError, match=r"pip install 'tracerl\[lora\]'"):
         apply_lora(_model(tokenizer), SETTINGS)
     assert not is_lora(_model(tokenizer))
+
+
+def test_an_adapter_on_a_tied_output_head_is_not_merged(tokenizer: Any, tmp_path: Path) -> None:
+    """The tiny model ties its output head to the input embedding: merging an adapter on the
+    head would change the embedding too, so the loaded model keeps the adapter apart."""
+    base_dir = save_tiny(_model(tokenizer), tokenizer, tmp_path / "base")
+    settings = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "lm_head"))
+    model = apply_lora(load_tiny(base_dir)[0], settings, base_name=str(base_dir))
+    _perturb(model)
+    expected = _logits(model, IDS)
+    save_adapter(model, tmp_path / "adapter")
+    loaded = load_with_adapter(None, tmp_path / "adapter", merge=True)
+    assert is_lora(loaded)
+    assert torch.equal(_logits(loaded, IDS), expected)

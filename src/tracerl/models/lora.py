@@ -6,7 +6,8 @@ layers while the base model's weights stay as they were loaded.
   ``adapter_model.safetensors``, what ``peft.PeftModel.from_pretrained`` and vLLM's
   ``/v1/load_lora_adapter`` read), atomically.
 - :func:`load_with_adapter` puts a saved adapter back on its base: trainable (a resumed run),
-  or merged into the base's weights (evaluation and serving: a plain model again).
+  or merged into the base's weights (evaluation and serving: a plain model again; not when
+  the adapter is on an output head tied to the input embedding, which merging would change).
 - :class:`AdapterOff` is the same model with its adapter disabled (the KL reference of a LoRA
   run: no second copy of the base).
 
@@ -137,6 +138,18 @@ def adapter_parameters(model: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:
     return ((name, p) for name, p in model.named_parameters() if p.requires_grad)
 
 
+def load_adapter_weights(model: Any, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Put adapter tensors as ``adapter_model.safetensors`` holds them into ``model``'s
+    adapter; ValueError naming ``source`` when some do not fit or some are missing."""
+    peft = _peft()
+    result = peft.set_peft_model_state_dict(model, tensors)
+    expected = {name for name, _ in adapter_parameters(model)}
+    missing = sorted(name for name in result.missing_keys if name in expected)
+    if result.unexpected_keys or missing:
+        raise ValueError(f"{source}: the adapter does not fit the run's model (missing "
+                         f"{missing}, unexpected {list(result.unexpected_keys)})")
+
+
 def _fsync_tree(path: Path) -> None:
     for root, _, files in os.walk(path):
         for name in files:
@@ -206,9 +219,18 @@ def load_with_adapter(base: Any, adapter_dir: str | Path, *, trainable: bool = F
     if isinstance(base, (str, Path)):
         base = _load_base(str(base))
     model = peft.PeftModel.from_pretrained(base, str(directory), is_trainable=trainable)
-    if merge:
+    if merge and not adapts_tied_weights(model):
         return model.merge_and_unload()
     return model
+
+
+def adapts_tied_weights(model: Any) -> bool:
+    """Whether an adapter sits on an output head that shares its weight with the input
+    embedding: merged, it would change the embedding too, so such a model stays unmerged."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return False
+    return any(name.rsplit(".", 1)[-1] == "lm_head" and hasattr(module, "lora_A")
+               for name, module in model.named_modules())
 
 
 def _load_base(name: str) -> Any:

@@ -127,7 +127,10 @@ def reference_policy(policy: Any, run_dir: Path) -> Any:
 def build_model(config: TrainConfig, tokenizer_texts: Callable[[], Sequence[str]]
                 ) -> tuple[Any, Any]:
     """The policy a new run starts from: ``model.path``'s, or a tiny model with a tokenizer
-    trained on ``tokenizer_texts()``."""
+    trained on ``tokenizer_texts()``. A ``model.path`` holding a LoRA adapter (a LoRA run's
+    checkpoint) gives its base with the adapter on it, trainable."""
+    if config.model.path is not None and lora.is_adapter_dir(config.model.path):
+        return load_model(Path(config.model.path))
     if config.model.kind == "pretrained":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
