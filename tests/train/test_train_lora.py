@@ -29,7 +29,7 @@ from tracerl.train.config import config_from_dict, describe_config, dump_config,
 from tracerl.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_runs import TINY_RUN, tiny_recipe
+from tiny_runs import TINY_RUN, OneCallTrainer, tiny_recipe
 
 LORA = {"rank": 8, "target_modules": ["q_proj", "v_proj"]}
 CHANGES: dict[str, Any] = {
@@ -247,3 +247,43 @@ def test_resuming_across_a_lora_switch_is_refused(straight: Path, tmp_path: Path
                        r"model.lora.rank > 0"):
         Trainer(load_config(straight / "config.yaml", [
             "model.lora.rank=0", f"run_dir={tmp_path / 'run'}"])).setup()
+
+
+@pytest.mark.parametrize("kind", ["value_head", "separate"])
+def test_a_critic_beside_a_lora_policy_trains_its_own_weights_only(tmp_path: Path,
+                                                                   kind: str) -> None:
+    """``value_head``: a head on the adapted trunk; ``separate``: a copy of the base with its
+    own adapter and head. Neither moves a base weight."""
+    config = load_config(tiny_recipe(
+        tmp_path, steps=2 if kind == "separate" else 1, sft={"enabled": False},
+        model={**TINY_RUN["model"], "lora": LORA}),
+        ["algorithm.estimator=gae", f"critic.kind={kind}", "rollout.max_turns=1",
+         "rollout.max_turn_tokens=40", "rollout.constrain_calls=true",
+         "rollout.group_size=4"])
+    seen: dict[str, Any] = {}
+
+    def watch(phase: str, trainer: Trainer) -> None:
+        if phase == "collect" and trainer.state.step == 0:
+            seen["before"] = {n: p.detach().clone() for n, p in trainer.actor.named_parameters()}
+        elif phase == "update":
+            seen["after"] = {n: p.detach().clone() for n, p in trainer.actor.named_parameters()}
+            seen["trainable"] = {n for n, p in trainer.actor.named_parameters() if p.requires_grad}
+            seen["optimized"] = {id(p) for group in trainer.optimizer.param_groups
+                                 for p in group["params"]}
+            seen["ids"] = {n: id(p) for n, p in trainer.actor.named_parameters()}
+
+    trainer = OneCallTrainer(config, hooks=[watch])  # rewards of 0 and 1: values to learn
+    trainer.run()
+    trainer.close()
+    before, after, trainable = seen["before"], seen["after"], seen["trainable"]
+    assert {seen["ids"][n] for n in trainable} == seen["optimized"]
+    assert all(torch.equal(before[n], after[n]) for n in before if n not in trainable)
+    moved = {n for n in trainable if not torch.equal(before[n], after[n])}
+    assert any(n.startswith("value_head.") for n in moved), moved
+    # The head starts at zero, so the separate critic's trunk moves from the second step on:
+    # its own adapter, not the policy's, on its own copy of the base.
+    if kind == "separate":
+        assert any(n.startswith("critic_backbone.") and "lora_" in n for n in moved), moved
+    assert all("lora_" in n or n.startswith("value_head.") for n in trainable), trainable
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "critic" in record
