@@ -287,3 +287,26 @@ def test_a_critic_beside_a_lora_policy_trains_its_own_weights_only(tmp_path: Pat
     assert all("lora_" in n or n.startswith("value_head.") for n in trainable), trainable
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert "critic" in record
+
+
+def test_the_base_is_model_path_when_given_and_a_full_checkpoint_is_not_resumed(
+        tmp_path: Path) -> None:
+    from tracerl.models.tiny import TinyModelConfig, build_tiny_model, save_tiny, train_tokenizer
+    from tracerl.train import setup
+
+    tokenizer = train_tokenizer(["def f(x):\n    return x + 1\n"] * 5, vocab_size=300)
+    shape = TinyModelConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+    saved = save_tiny(build_tiny_model(tokenizer, shape), tokenizer, tmp_path / "given")
+    config = config_from_dict({"run_dir": str(tmp_path / "run"), "model": {
+        "path": str(saved), "lora": {"rank": 2, "alpha": 4, "target_modules": ["o_proj"]}}})
+    assert setup.lora_settings(config) is not None
+    model = setup.lora_policy(config, load_tiny(saved)[0], tokenizer, None)
+    assert model.peft_config["default"].base_model_name_or_path == str(saved.resolve())
+    assert not (tmp_path / "run" / "base").exists()  # the base is the given directory
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000003"
+    with pytest.raises(ValueError, match="was trained without LoRA; a LoRA run cannot resume"):
+        setup.lora_policy(config, load_tiny(saved)[0], tokenizer, checkpoint)
+    off = config_from_dict({"model": {"lora": {"rank": 0}}})
+    assert setup.lora_settings(off) is None
+    plain = load_tiny(saved)[0]
+    assert setup.lora_policy(off, plain, tokenizer, None) is plain

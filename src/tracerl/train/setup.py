@@ -106,9 +106,18 @@ def lora_policy(config: TrainConfig, model: Any, tokenizer: Any, source: Path | 
         base = str(path.resolve()) if path.is_dir() else config.model.path
     if base is None:
         base = str(save_tiny(model, tokenizer, Path(config.run_dir) / lora.BASE_DIR).resolve())
-    return lora.apply_lora(model, lora.LoraSettings(
-        rank=settings.rank, alpha=settings.alpha, target_modules=settings.target_modules,
-        dropout=settings.dropout), base_name=base, seed=config.seed)
+    adapter = lora_settings(config)
+    assert adapter is not None
+    return lora.apply_lora(model, adapter, base_name=base, seed=config.seed)
+
+
+def lora_settings(config: TrainConfig) -> lora.LoraSettings | None:
+    """``model.lora`` as :func:`tracerl.models.lora.apply_lora` takes it; None when off."""
+    settings = config.model.lora
+    if settings.rank == 0:
+        return None
+    return lora.LoraSettings(rank=settings.rank, alpha=settings.alpha,
+                             target_modules=settings.target_modules, dropout=settings.dropout)
 
 
 def reference_policy(policy: Any, run_dir: Path) -> Any:
