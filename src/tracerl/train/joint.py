@@ -16,8 +16,9 @@ policy on its own agents' records only:
 
 The update itself is the single-agent one (``pack``, ``freeze_old``, ``ppo_update``). Each step
 also records the *nonstationarity* each agent faced: how far every policy moved on its own
-actions of the step (the mean of ``old - new`` logprob over its action tokens, an estimate of
-KL(old || new)), and for each agent the sum over the other agents.
+actions of the step (the mean over its action tokens of the k3 estimate of KL(old || new),
+computed from the logprobs before and after the update), and for each agent the sum over the
+other agents: how much the rest of its environment changed.
 
 The run directory holds ``config.yaml``, ``metrics.jsonl``, the trace store, ``policy/NAME``
 for each policy and ``summary.json`` (joint success before and after on held-out tasks with
@@ -46,6 +47,7 @@ from tracerl.rollout.policies.sampling import SamplingParams
 from tracerl.trace import Attempt, TraceStore, pack
 from tracerl.train.algorithms import AdvantageInputs, compute_advantages
 from tracerl.train.config import CriticConfig, TrainConfig, dump_config
+from tracerl.train.joint_config import validate_multiagent
 from tracerl.train.joint_critic import (
     CentralizedCritic,
     advantages_on_rows,
@@ -74,13 +76,7 @@ class JointTrainer:
                  between_rounds: Callable[[int], None] | None = None) -> None:
         if config.multiagent.env == "none":
             raise ValueError("multiagent.env: 'none' is a single-agent run (use Trainer)")
-        if config.algorithm.estimator not in ("grpo", "rloo"):
-            raise ValueError(f"algorithm.estimator: {config.algorithm.estimator!r} is not "
-                             "available for several agents (use grpo or rloo; "
-                             "multiagent.critic: centralized for a learned baseline)")
-        if config.critic.kind != "none":
-            raise ValueError("critic.kind: several agents use multiagent.critic "
-                             "(centralized) instead")
+        validate_multiagent(config)
         self.config = config
         self.log = log or (lambda message: None)
         self.between_rounds = between_rounds
@@ -266,7 +262,9 @@ class JointTrainer:
                              CriticConfig(), self.generator)
         after = freeze_old(policy.actor, rows, update.micro_batch_rows)
         assert rows.old_logprobs is not None and after.old_logprobs is not None
-        moved = (rows.old_logprobs - after.old_logprobs) * batch.action_mask.float()
+        # k3 estimate of KL(old || new) on the tokens the old policy sampled: never negative.
+        log_ratio = (after.old_logprobs - rows.old_logprobs).clamp(-20.0, 20.0)
+        moved = (log_ratio.exp() - 1.0 - log_ratio) * batch.action_mask.float()
         agent_of = {a.attempt_id: str(a.metadata["agent"]) for a in attempts}
         agent_of_row = [agent_of[batch.attempt_ids[int(i)]] for i in batch.attempt_index]
         shift = {}

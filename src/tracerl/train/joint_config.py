@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -38,3 +38,42 @@ class MultiAgentConfig:
     """``referential``: share of the rounds kept for evaluation."""
     max_turns: int = 12
     """Actions of all agents together before a joint attempt is truncated."""
+
+
+def validate_multiagent(config: Any) -> None:
+    """The ``multiagent`` section's rules, and the single-agent options a joint run does not
+    use (refused rather than silently ignored); ValueError names the field."""
+    multi: MultiAgentConfig = config.multiagent
+    if multi.env == "none":
+        return
+    if config.algorithm.estimator not in ("grpo", "rloo"):
+        raise ValueError(f"algorithm.estimator: {config.algorithm.estimator!r} is not available "
+                         "for several agents (use grpo or rloo; multiagent.critic: centralized "
+                         "for a learned baseline)")
+    if config.rollout.group_size < 2 and multi.critic == "none":
+        raise ValueError("rollout.group_size: group-relative advantages compare joint attempts "
+                         "at the same task; use at least 2 (or multiagent.critic: centralized)")
+    refused = {"critic.kind": config.critic.kind != "none", "sft.enabled": config.sft.enabled,
+               "update.kl_coef": config.update.kl_coef > 0,
+               "update.sft_coef": config.update.sft_coef > 0,
+               "update.ema_decay": config.update.ema_decay is not None,
+               "dynamic.filter_uniform": config.dynamic.filter_uniform,
+               "dynamic.success_sampling": config.dynamic.success_sampling,
+               "model.kind": config.model.kind != "tiny"}
+    for name, used in refused.items():
+        if used:
+            raise ValueError(f"{name}: not available with multiagent.env "
+                             f"{multi.env!r} (leave it at its default)")
+    if multi.candidates < 2:
+        raise ValueError(f"multiagent.candidates: must be >= 2, got {multi.candidates}")
+    if not 0.0 <= multi.heldout_fraction < 1.0:
+        raise ValueError(f"multiagent.heldout_fraction: must be in [0, 1), got "
+                         f"{multi.heldout_fraction}")
+    if multi.max_turns < 1:
+        raise ValueError(f"multiagent.max_turns: must be >= 1, got {multi.max_turns}")
+    if multi.critic_lr <= 0:
+        raise ValueError(f"multiagent.critic_lr: must be > 0, got {multi.critic_lr}")
+    for name in ("items", "symbols"):
+        if len(getattr(multi, name).split()) < 2:
+            raise ValueError(f"multiagent.{name}: needs at least two words separated by "
+                             f"spaces, got {getattr(multi, name)!r}")

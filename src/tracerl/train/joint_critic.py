@@ -102,7 +102,7 @@ def centralized_advantages(critic: CentralizedCritic, optimizer: torch.optim.Opt
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     flat_before = torch.cat(before)
     flat_targets = torch.cat(targets)
     variance = float(flat_targets.var(unbiased=False))
