@@ -65,7 +65,7 @@ def test_each_agent_sees_only_its_context_and_what_was_sent_to_it(tokenizer: Any
         assert roles == [Role.PROMPT, Role.OBSERVATION, Role.ACTION]
         message = listener.fragments[0].turns[0].segments[1]
         assert tokenizer.decode(list(message.token_ids), skip_special_tokens=True).endswith(
-            f"speaker says {said}")  # what the speaker sent is the listener's observation
+            f"heard {said}")  # what the speaker sent is the listener's observation
         task = next(t for t in TASKS if t.id == joint.task_id)
         assert f"target {task.target}" not in tokenizer.decode(
             [int(t) for s in listener.fragments[0].turns[0].segments for t in s.token_ids])
@@ -73,7 +73,7 @@ def test_each_agent_sees_only_its_context_and_what_was_sent_to_it(tokenizer: Any
         instruction = ReferentialGame(TASKS).reset(options={"task_id": task.id}).observations
         rendered = collector.policies[LISTENER].policy.chat_prompt(
             [{"role": "user", "content": instruction[LISTENER]},
-             {"role": "user", "content": f"speaker says {said}"}])
+             {"role": "user", "content": f"heard {said}"}])
         fed = [int(t) for s in listener.fragments[0].turns[0].segments[:2] for t in s.token_ids]
         assert fed == rendered
         shared = speaker.metadata["joint"]
@@ -106,7 +106,7 @@ def test_a_shared_policy_is_told_which_agent_it_plays(tokenizer: Any) -> None:
     for name, attempt in joints[0].attempts.items():
         prompt = attempt.fragments[0].turns[0].segments[0].token_ids
         assert tokenizer.decode(list(prompt), skip_special_tokens=True).startswith(
-            f"agent {name}. {name}.")
+            f"agent {name}. ")
         assert attempt.metadata["policy"] == "both"
 
 

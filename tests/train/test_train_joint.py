@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 
 from tracerl.cli import main as run
 from tracerl.envs.referential import LISTENER, SPEAKER
+from tracerl.eval.compare import compare_runs
 from tracerl.rollout.collect.joint import JointAttempt
 from tracerl.trace import Role, pack
 from tracerl.train import joint as joint_module
@@ -127,6 +129,9 @@ def test_the_referential_recipe_runs_through_tracerl_train(tmp_path: Path) -> No
                (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert set(metrics[0]["nonstationarity"]["others_shift"]) == {SPEAKER, LISTENER}
     assert (tmp_path / "run" / "policy" / SPEAKER / "config.json").is_file()
+    (row,), _ = compare_runs([tmp_path / "run"])
+    assert (row.estimator, row.critic) == ("grpo (separate weights)", "none")
+    assert row.generated_tokens == summary["generated_tokens"] and row.success is not None
 
 
 def test_bad_multiagent_settings_are_refused(tmp_path: Path) -> None:
@@ -155,3 +160,19 @@ def test_the_game_is_learned_in_a_short_run(tmp_path: Path) -> None:
     summary = JointTrainer(config).run()
     assert summary["heldout_success_before"] < 0.7
     assert summary["heldout_success_after"] >= 0.8
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_the_coding_pair_runs_through_tracerl_train(tmp_path: Path) -> None:
+    overrides = [f"run_dir={tmp_path / 'pair'}", "steps=1", "tasks.train_count=2",
+                 "tasks.heldout_count=1", "rollout.tasks_per_step=2", "rollout.group_size=2",
+                 "eval.samples_per_task=1", "multiagent.max_turns=4",
+                 "rollout.max_turn_tokens=8", "model.hidden_size=16", "model.num_layers=1",
+                 "model.intermediate_size=32"]
+    assert run(["train", str(CONFIGS / "coding_pair.yaml"), *overrides]) == 0
+    summary = json.loads((tmp_path / "pair" / "summary.json").read_text())
+    assert summary["joint_attempts"] == 4 and summary["multiagent"]["env"] == "coding_pair"
+    metrics = json.loads((tmp_path / "pair" / "metrics.jsonl").read_text().splitlines()[0])
+    assert sum(metrics["joint"]["endings"].values()) == 4
+    assert set(metrics["joint"]["actions"]) == {"tester", "fixer"}

@@ -7,8 +7,8 @@ reward 1 when the listener picks the target, 0 otherwise (a shared reward). The 
 nothing at first: a protocol (which symbol names which item) has to be agreed while both
 agents learn, so each one's environment changes as the other learns.
 
-A task is one ordered tuple of candidates and one target among them; :func:`referential_tasks`
-lists them all. Both agents have finite action sets (``choices``): the speaker's symbols and
+A task is one set of candidates and one target among them; :func:`referential_tasks` lists
+them all. Both agents have finite action sets (``choices``): the speaker's symbols and
 the listener's candidates; the collector masks every other text, so random play succeeds one
 time in ``candidates``.
 """
@@ -40,13 +40,14 @@ class ReferentialTask:
     id: str
     """Task id."""
     candidates: tuple[str, ...]
-    """The items the listener chooses from, in the order it sees them."""
+    """The items the listener chooses from, in the order it sees them (the items' order)."""
     target: str
     """The item the speaker must name."""
 
 
 def referential_tasks(items: Sequence[str] = ITEMS, candidates: int = 2) -> list[ReferentialTask]:
-    """Every round: each ordered tuple of ``candidates`` distinct items, each target among them."""
+    """Every round: each set of ``candidates`` distinct items (in the items' order), each
+    target among them."""
     names = tuple(items)
     if len(set(names)) != len(names) or not all(n and n.isalpha() for n in names):
         raise ValueError(f"items: must be distinct alphabetic words, got {list(names)}")
@@ -54,7 +55,7 @@ def referential_tasks(items: Sequence[str] = ITEMS, candidates: int = 2) -> list
         raise ValueError(f"candidates: must be in [2, {len(names)}] (the number of items), "
                          f"got {candidates}")
     tasks: list[ReferentialTask] = []
-    for shown in itertools.permutations(names, candidates):
+    for shown in itertools.combinations(names, candidates):
         for target in shown:
             tasks.append(ReferentialTask(f"ref-{len(tasks):03d}", shown, target))
     return tasks
@@ -62,8 +63,8 @@ def referential_tasks(items: Sequence[str] = ITEMS, candidates: int = 2) -> list
 
 def split_tasks(tasks: Sequence[ReferentialTask], heldout_fraction: float,
                 seed: int) -> tuple[list[ReferentialTask], list[ReferentialTask]]:
-    """(train, held-out): a seeded split; held-out rounds are new orders and pairs, with the
-    same items (a protocol over items generalises to them)."""
+    """(train, held-out): a seeded split; held-out rounds are new sets of candidates, with
+    the same items (a protocol over items generalises to them)."""
     if not 0.0 <= heldout_fraction < 1.0:
         raise ValueError(f"heldout_fraction: must be in [0, 1), got {heldout_fraction}")
     order = list(tasks)
@@ -97,11 +98,12 @@ class ReferentialGame:
         else:
             self.task = random.Random(seed).choice(self._order)
         self._turn = SPEAKER
-        words = " ".join(self.symbols)
+        # Short on purpose: the one token that matters (the target, the word heard) is a
+        # large share of what a tiny model reads, so conditioning on it is learned sooner.
         return MultiReset(
             observations={
-                SPEAKER: f"speaker. target {self.task.target}. say one of {words}",
-                LISTENER: f"listener. pick one of {' '.join(self.task.candidates)}",
+                SPEAKER: f"target {self.task.target}",
+                LISTENER: f"pick {' '.join(self.task.candidates)}",
             },
             next_agent=SPEAKER, info={"task_id": self.task.id})
 
@@ -125,7 +127,7 @@ class ReferentialGame:
         word = action.strip()
         if agent == SPEAKER:
             self._turn = LISTENER
-            return MultiStep(observations={LISTENER: f"speaker says {word}"},
+            return MultiStep(observations={LISTENER: f"heard {word}"},
                              next_agent=LISTENER,
                              info={"messages": [(SPEAKER, LISTENER)]})
         self._turn = None

@@ -55,6 +55,9 @@ class ModelConfig:
     """Tiny only: width of the feed-forward layer."""
     max_positions: int = 1024
     """Tiny only: context length."""
+    initializer_range: float = 0.02
+    """Tiny only: standard deviation of the initial weights. A larger one makes a fresh
+    model's choices depend on its input from the start (the referential game's recipe)."""
     device: str = "auto"
     """Where the policy, critic and reference live and train: ``cpu``, ``cuda``, ``cuda:N``
     or ``auto`` (the first GPU when torch sees one, else the CPU). Batches are assembled on the

@@ -37,9 +37,18 @@ from typing import Any
 
 import torch
 
+from tracerl.envs import Sandbox
+from tracerl.envs.multi import MultiAgentEnv
+from tracerl.envs.pair import FIXER, POWERS, CodingPairEnv
 from tracerl.envs.referential import ReferentialGame, referential_tasks, split_tasks
 from tracerl.eval.stats import bootstrap_ci
-from tracerl.models.tiny import TinyModelConfig, build_tiny_model, train_tokenizer
+from tracerl.models.tiny import (
+    TinyModelConfig,
+    build_tiny_model,
+    render_tool_call,
+    train_tokenizer,
+)
+from tracerl.models.words import WORDS
 from tracerl.rollout import HFPolicy
 from tracerl.rollout.collect.chat_tokens import ChatTokens
 from tracerl.rollout.collect.joint import AgentPolicy, JointAttempt, JointCollector, JointConfig
@@ -54,6 +63,7 @@ from tracerl.train.joint_critic import (
     centralized_advantages,
 )
 from tracerl.train.metrics import MetricsWriter
+from tracerl.train.setup import run_tasks
 from tracerl.train.update import ActorCritic, RowBatch, freeze_old, make_adamw, ppo_update
 
 SHARED = "shared"
@@ -92,7 +102,12 @@ class JointTrainer:
         torch.manual_seed(config.seed)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        if multi.env == "referential":
+        self.make_env: Callable[[], MultiAgentEnv]
+        self.corpus: list[str]
+        self.words: list[str]
+        if multi.env == "coding_pair":
+            self._pair_tasks()
+        else:
             items, symbols = multi.items.split(), multi.symbols.split()
             tasks = referential_tasks(items, multi.candidates)
             train, heldout = split_tasks(tasks, multi.heldout_fraction, config.seed)
@@ -100,15 +115,17 @@ class JointTrainer:
             self.heldout_ids = [t.id for t in heldout] or self.train_ids
             self.agents = ReferentialGame.agents
             self.make_env = lambda: ReferentialGame(tasks, symbols)
-            corpus = [text for t in tasks[:8] for text in
-                      ReferentialGame(tasks, symbols).reset(
-                          options={"task_id": t.id}).observations.values()]
-            words = [*items, *symbols, *self.agents, "speaker says"]
-        self.tokenizer = train_tokenizer(corpus, vocab_size=config.model.vocab_size, words=words)
+            self.corpus = [text for t in tasks[:8] for text in
+                           ReferentialGame(tasks, symbols).reset(
+                               options={"task_id": t.id}).observations.values()]
+            self.words = [*items, *symbols, *self.agents, "heard"]
+        self.tokenizer = train_tokenizer(self.corpus, vocab_size=config.model.vocab_size,
+                                         words=self.words)
         m = config.model
         self.shape = TinyModelConfig(hidden_size=m.hidden_size, num_layers=m.num_layers,
                                      num_heads=m.num_heads, intermediate_size=m.intermediate_size,
-                                     max_positions=m.max_positions)
+                                     max_positions=m.max_positions,
+                                     initializer_range=m.initializer_range)
         groups = ({SHARED: self.agents} if multi.weights == "shared"
                   else {agent: (agent,) for agent in self.agents})
         self.policies: dict[str, _Policy] = {}
@@ -128,6 +145,22 @@ class JointTrainer:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.totals = {"generated_tokens": 0.0, "joint_attempts": 0.0}
+
+    def _pair_tasks(self) -> None:
+        """The coding pair on the run's tasks (``tasks.*``, as a single-agent run loads
+        them), one sandbox for all joint attempts."""
+        train, heldout = run_tasks(self.config)
+        sandbox = Sandbox()
+        everything = [*train, *heldout]
+        turns = self.config.multiagent.max_turns
+        self.agents = CodingPairEnv.agents
+        self.train_ids, self.heldout_ids = [t.id for t in train], [t.id for t in heldout]
+        self.make_env = lambda: CodingPairEnv(everything, sandbox=sandbox, max_turns=turns)
+        statements = [CodingPairEnv(everything[:1], sandbox=sandbox).reset().observations]
+        self.corpus = [*(text for s in statements for text in s.values()),
+                       *(content for t in train for content in t.files.values()),
+                       *(render_tool_call(name, {}) for name in sorted(POWERS[FIXER]))]
+        self.words = list(WORDS)
 
     def collector(self, temperature: float) -> JointCollector:
         """A joint collector over this run's policies at ``temperature``."""
@@ -224,12 +257,16 @@ class JointTrainer:
 
     def policy_attempts(self, joints: Sequence[JointAttempt], name: str) -> list[Attempt]:
         """The attempts policy ``name`` learns from: its own agents' records, each agent's
-        joint attempts at a task forming that agent's group."""
+        joint attempts at a task forming that agent's group. An agent that never acted in a
+        joint attempt (the others ended it first) made no decision there: its record is kept
+        in the store and left out of its group."""
         agents = self.policies[name].agents
         out = []
         for joint in joints:
             for agent in agents:
                 attempt = joint.attempts[agent]
+                if attempt.costs.turns == 0:
+                    continue
                 if len(agents) > 1:
                     attempt = dataclasses.replace(attempt, group_id=f"{attempt.group_id}/{agent}")
                 out.append(attempt)

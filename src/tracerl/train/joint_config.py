@@ -15,9 +15,10 @@ class MultiAgentConfig:
     (``grpo`` or ``rloo``), ``model.*`` (each policy's size), ``steps``,
     ``max_generated_tokens`` and ``eval.samples_per_task``."""
 
-    env: Literal["none", "referential"] = "none"
-    """``referential``: the speaker/listener game (``envs.referential``); ``none``: one
-    agent."""
+    env: Literal["none", "referential", "coding_pair"] = "none"
+    """``referential``: the speaker/listener game (``envs.referential``); ``coding_pair``: a
+    tester and a fixer on the run's coding tasks (``envs.pair``, tasks from ``tasks.*``);
+    ``none``: one agent."""
     weights: Literal["separate", "shared"] = "separate"
     """``separate``: each agent has its own policy (independent learners); ``shared``: one
     policy acts for every agent, with the agent named at the start of its instruction."""
