@@ -61,6 +61,11 @@ def test_each_agent_sees_only_its_context_and_what_was_sent_to_it(tokenizer: Any
         said = tokenizer.decode(list(speaker.fragments[0].turns[0].segments[-1].token_ids),
                                 skip_special_tokens=True)
         assert said in ("ka", "ki", "ko", "ku")  # masked to the game's words
+        for attempt in (speaker, listener):  # each choice as the tokenizer writes it, then EOS
+            action = attempt.fragments[0].turns[0].segments[-1].token_ids.tolist()
+            text = tokenizer.decode(action, skip_special_tokens=True)
+            assert action == [*tokenizer.encode(text, add_special_tokens=False),
+                              tokenizer.eos_token_id]
         roles = [s.role for s in listener.fragments[0].turns[0].segments]
         assert roles == [Role.PROMPT, Role.OBSERVATION, Role.ACTION]
         message = listener.fragments[0].turns[0].segments[1]
