@@ -134,6 +134,25 @@ def test_the_referential_recipe_runs_through_tracerl_train(tmp_path: Path) -> No
     assert row.generated_tokens == summary["generated_tokens"] and row.success is not None
 
 
+@pytest.mark.parametrize("recipe", ["referential", "coding_pair"])
+def test_every_multiagent_recipe_leaves_room_for_a_turn(recipe: str, tmp_path: Path) -> None:
+    config = load_config(CONFIGS / f"{recipe}.yaml", [f"run_dir={tmp_path / 'run'}"])
+    trainer = JointTrainer(config)
+    chat = trainer.collector(1.0).policies
+    env = trainer.make_env()
+    longest = 0
+    for task_id in [*trainer.train_ids, *trainer.heldout_ids][:8]:
+        start = env.reset(options={"task_id": task_id})
+        for agent, text in start.observations.items():
+            tokens = chat[trainer.agent_policy[agent]].chat.first_prompt(text)
+            longest = max(longest, len(tokens))
+    close = getattr(env, "close", None)
+    if close is not None:
+        close()
+    assert longest > 0
+    assert longest + config.rollout.max_turn_tokens <= config.model.max_positions
+
+
 def test_bad_multiagent_settings_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"algorithm\.estimator: 'gae' is not available"):
         JointTrainer(dataclasses.replace(
