@@ -15,7 +15,7 @@ from tracerl.rollout import HFPolicy
 from tracerl.rollout.collect.chat_tokens import ChatTokens
 from tracerl.rollout.collect.joint import AgentPolicy, JointCollector, JointConfig
 from tracerl.rollout.policies.sampling import SamplingParams
-from tracerl.trace import Role, TraceStore, pack
+from tracerl.trace import Role, TraceStore, pack, unpack
 from tracerl.trace.store import read_attempt
 
 TASKS = referential_tasks()
@@ -178,6 +178,8 @@ def test_agents_survive_the_store_and_traces_show_displays_them(
         store.append_many(list(joint.attempts.values()))
     listener = joint.attempts[LISTENER]
     assert read_attempt(tmp_path / "traces", listener.attempt_id) == listener
+    records = list(joint.attempts.values())
+    assert unpack(pack(records, has_critic=False, min_group_size=1)) == records
     assert run(["traces", "show", str(tmp_path / "traces"), listener.attempt_id]) == 0
     out = capsys.readouterr().out
     for text in ("agent: listener", "agent listener", "policy listener, version 0 at start",
