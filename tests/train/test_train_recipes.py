@@ -19,7 +19,9 @@ from tracerl.train.trainer import POLICY_DIR, Trainer
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_runs import TINY_RUN, tiny_recipe
 
-CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+CONFIGS = sorted(p for p in (Path(__file__).parents[2] / "configs").glob("*.yaml")
+                 if "multiagent" not in (yaml.safe_load(p.read_text(encoding="utf-8")) or {}))
+"""The single-agent recipes (test_train_joint.py checks the multi-agent ones)."""
 QUICK = ["tensorboard=false", "progress=false", "model.device=cpu", "tasks.train_count=8",
          "sft.demos_per_task=1"]
 """Fewer train tasks and demonstrations (the tokenizer is trained on them): the recipe's

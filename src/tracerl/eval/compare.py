@@ -31,9 +31,11 @@ class RunRow:
     run: str
     """Run directory name."""
     estimator: str | None
-    """Advantage estimator (``algorithm.estimator`` of the run's config)."""
+    """Advantage estimator (``algorithm.estimator`` of the run's config); for several agents
+    followed by ``multiagent.weights`` (separate or shared)."""
     critic: str | None
-    """Critic kind (``critic.kind``), ``none`` for critic-free methods."""
+    """Critic kind (``critic.kind``; ``multiagent.critic`` for several agents), ``none`` for
+    critic-free methods."""
     success: float | None
     """Held-out hidden-test success after training, sampled."""
     ci95: tuple[float, float] | None
@@ -105,6 +107,9 @@ def run_row(run: RunFiles) -> RunRow:
         generated, tool = stored["costs"]["generated_tokens"], stored["costs"]["tool_seconds"]
     estimator = _get(run.config, "algorithm.estimator")
     critic = _get(run.config, "critic.kind")
+    if _get(run.config, "multiagent.env") not in (None, "none"):  # several agents
+        estimator = f"{estimator} ({_get(run.config, 'multiagent.weights')} weights)"
+        critic = _get(run.config, "multiagent.critic")
     return RunRow(
         run=run.path.name,
         estimator=None if estimator is None else str(estimator),

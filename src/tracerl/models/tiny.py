@@ -202,6 +202,8 @@ class TinyModelConfig:
     """Share the input embedding and the output head, halving the vocabulary's parameters."""
     rope_theta: float = 10000.0
     """Base of the rotary position embedding."""
+    initializer_range: float = 0.02
+    """Standard deviation of the initial weights (transformers' ``initializer_range``)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_positions"):
@@ -213,6 +215,8 @@ class TinyModelConfig:
             )
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if not self.initializer_range > 0:
+            raise ValueError(f"initializer_range must be > 0, got {self.initializer_range}")
 
 
 def build_tiny_model(
@@ -234,6 +238,7 @@ def build_tiny_model(
         max_position_embeddings=config.max_positions,
         rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
         tie_word_embeddings=config.tie_embeddings,
+        initializer_range=config.initializer_range,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -7,6 +7,7 @@ import json
 import statistics
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +219,7 @@ def _show(args: argparse.Namespace) -> int:
     if attempt.audit is not None:
         console.print(f"audit: {attempt.audit}")
     console.print(f"costs: {attempt.costs}")
+    _show_joint(console, attempt.metadata)
     for fragment in attempt.fragments:
         console.print(Text(f"-- fragment {fragment.index} (ends {fragment.end.value})",
                            style="bold"))
@@ -232,6 +234,8 @@ def _show(args: argparse.Namespace) -> int:
                     shown = ids[: args.max_tokens]
                     body = " ".join(map(str, shown)) + (" ..." if len(ids) > len(shown) else "")
                 label = f"    [{seg.role.value} {len(ids)} tok"
+                if seg.agent is not None:
+                    label += f", agent {seg.agent}"
                 if seg.role is Role.ACTION:
                     label += f", v{seg.policy_version} {seg.engine}"
                 line = Text(label + "] ", style=_ROLE_STYLE[seg.role])
@@ -240,3 +244,20 @@ def _show(args: argparse.Namespace) -> int:
         if len(fragment.continuation_ids):
             console.print(f"  continuation: {len(fragment.continuation_ids)} tokens")
     return 0
+
+
+def _show_joint(console: Any, metadata: Mapping[str, Any]) -> None:
+    """The agent, its policy and the joint attempt's record, for an agent's attempt."""
+    if "agent" not in metadata:
+        return
+    console.print(f"agent: {metadata['agent']}   policy: {metadata.get('policy')}")
+    joint = metadata.get("joint")
+    if not isinstance(joint, Mapping):
+        return
+    console.print(f"joint attempt: {joint.get('id')}   rewards: {joint.get('rewards')}")
+    for name, info in dict(joint.get("agents", {})).items():
+        console.print(f"  {name}: policy {info.get('policy')}, version "
+                      f"{info.get('version_start')} at start, {info.get('version_end')} at "
+                      f"end, {info.get('actions')} actions")
+    order = " ".join(f"{agent}:{turn}" for agent, turn in joint.get("order", []))
+    console.print(f"  turns in order: {order}")

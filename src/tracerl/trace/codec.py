@@ -10,6 +10,10 @@
 * **tokens** (int32): every segment's token ids in sequence order, then each fragment's
   continuation ids; **logprobs** (float32): every segment's logprobs in order.
 
+A multi-agent attempt's segments name their agent (``Segment.agent``): the header then holds
+the distinct names (``agents``) and one index per segment (``segment_agents``, -1: none);
+records without agents have neither key, so single-agent records are unchanged.
+
 The structure is numbers, not JSON, because a JSON list per segment was the largest cost of
 both writing and reading a record. Both the append log and the Parquet segments store exactly
 these four parts, so decoding is one function. Logprobs are kept at float32 precision (what
@@ -95,6 +99,8 @@ def encode_attempt(
     samplings: dict[int, int] = {}  # id(SamplingParams) -> index (objects live during encode)
     sampling_rows: list[list[Any]] = []
     engines: dict[str, int] = {}
+    agents: dict[str, int] = {}
+    agent_index: list[int] = []
     process: list[list[Any]] = []
     suspect = not attempt.attempt_id or not attempt.fragments
     last = len(attempt.fragments) - 1
@@ -148,6 +154,11 @@ def encode_attempt(
                     if e is None:
                         e = engines[engine] = len(engines)
                     engine_index.append(e)
+                name = seg.agent
+                if name is None:
+                    agent_index.append(-1)
+                else:
+                    agent_index.append(agents.setdefault(name, len(agents)))
                 role = _ROLE_INDEX[seg.role]
                 roles.append(role)
                 lengths.append(n)
@@ -198,6 +209,9 @@ def encode_attempt(
         "n_tokens": int(tokens.size),
         "n_logprobs": int(logprobs.size),
     }
+    if agents:
+        header["agents"] = list(agents)
+        header["segment_agents"] = agent_index
     return header, layout, tokens, logprobs, suspect
 
 
@@ -245,6 +259,10 @@ def check_sizes(header: Mapping[str, Any], layout: np.ndarray, n_tokens: int,
         and all(-1 <= k < len(header["sampling"]) for k in samplings)
         and all(-1 <= e < len(header["engines"]) for e in engines)
     )
+    seg_agents = header.get("segment_agents")
+    if seg_agents is not None:
+        ok = ok and len(seg_agents) == ns and all(
+            -1 <= a < len(header.get("agents", ())) for a in seg_agents)
     if not ok:
         raise ValueError(f"attempt {name!r}: layout counts do not match the stored arrays")
 
@@ -269,6 +287,8 @@ def decode_attempt(header: Mapping[str, Any], layout: np.ndarray | list[int],
     sb = tb + nt  # segment columns start
     samplings = [_sampling(tuple(row)) for row in header["sampling"]]
     engines = header["engines"]
+    agent_names = header.get("agents", ())
+    seg_agents = header.get("segment_agents")
     process = dict(header["process_rewards"]) if header["process_rewards"] else None
     cont_pos = sum(lay[sb + ns : sb + 2 * ns])
     seg = turn = tok_pos = lp_pos = 0
@@ -300,6 +320,8 @@ def decode_attempt(header: Mapping[str, Any], layout: np.ndarray | list[int],
                     "sampling": None if k < 0 else samplings[k],
                     "policy_version": None if version == NO_VERSION else version,
                     "engine": None if e < 0 else engines[e],
+                    "agent": (None if seg_agents is None or seg_agents[s] < 0
+                              else agent_names[seg_agents[s]]),
                 })
                 segs.append(obj)
             seg += lay[tb + turn]

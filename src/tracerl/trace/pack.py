@@ -68,6 +68,8 @@ class SegmentLayout:
     """Action only: the policy version (also in the tensor, per token)."""
     engine: str | None
     """Action only: the sampling engine."""
+    agent: str | None = None
+    """The agent whose context the segment stands in (several agents), else None."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -284,7 +286,8 @@ def _build_row(
                 logprobs.append(np.zeros(n, dtype=np.float32))
                 versions.append(np.full(n, -1, dtype=np.int64))
             seg_layouts.append(
-                SegmentLayout(seg.role, n, seg.sampling, seg.policy_version, seg.engine)
+                SegmentLayout(seg.role, n, seg.sampling, seg.policy_version, seg.engine,
+                              seg.agent)
             )
         if turn.process_reward is not None:
             process.append((last_action, turn.process_reward))
@@ -465,9 +468,10 @@ def unpack(batch: PackedBatch) -> list[Attempt]:
                         sampling=s.sampling,
                         policy_version=s.policy_version,
                         engine=s.engine,
+                        agent=s.agent,
                     ))
                 else:
-                    segs.append(Segment(role=s.role, token_ids=chunk))
+                    segs.append(Segment(role=s.role, token_ids=chunk, agent=s.agent))
                 pos += s.length
             turns.append(Turn(segments=tuple(segs), process_reward=process_reward))
         a_index = int(batch.attempt_index[b])

@@ -202,8 +202,15 @@ class Segment:
     """Action only: version of the policy weights that sampled these tokens."""
     engine: str | None = None
     """Action only: the engine that sampled them (e.g. 'hf', 'vllm')."""
+    agent: str | None = None
+    """Several agents in one task: the agent whose context this segment stands in. An action
+    segment is that agent's own sample (its policy version is that agent's policy's); what
+    another agent sent it is an ``observation`` segment of the receiver. None in a
+    single-agent attempt."""
 
     def __post_init__(self) -> None:
+        if self.agent is not None and (not isinstance(self.agent, str) or not self.agent):
+            raise ValueError(f"agent: must be a non-empty name or None, got {self.agent!r}")
         object.__setattr__(self, "role", Role(self.role))
         object.__setattr__(self, "token_ids", token_array(self.token_ids))
         if self.logprobs is not None:
@@ -226,6 +233,7 @@ class Segment:
             and self.sampling == other.sampling
             and self.policy_version == other.policy_version
             and self.engine == other.engine
+            and self.agent == other.agent
         )
 
     __hash__ = None  # type: ignore[assignment]  # contents are arrays: not hashable

@@ -16,7 +16,12 @@ def _train(args: argparse.Namespace) -> int:
     if args.check:
         print(f"{args.config}: ok")
         return 0
-    summary = Trainer(config, log=print).run()
+    if config.multiagent.env != "none":
+        from tracerl.train.joint import JointTrainer
+
+        summary = JointTrainer(config, log=print).run()
+    else:
+        summary = Trainer(config, log=print).run()
     if summary:  # under torchrun, ranks other than 0 return none
         print(json.dumps({k: v for k, v in summary.items() if k != "phase_seconds"}, indent=1))
     return 0

@@ -26,6 +26,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 
 from tracerl.rollout.settings import RolloutConfig
+from tracerl.train.joint_config import MultiAgentConfig
 from tracerl.train.validate import validate
 
 Estimator = Literal["grpo", "rloo", "gae", "gigpo"]
@@ -74,6 +75,9 @@ class ModelConfig:
     """Tiny only: width of the feed-forward layer."""
     max_positions: int = 1024
     """Tiny only: context length."""
+    initializer_range: float = 0.02
+    """Tiny only: standard deviation of the initial weights. A larger one makes a fresh
+    model's choices depend on its input from the start (the referential game's recipe)."""
     device: str = "auto"
     """Where the policy, critic and reference live and train: ``cpu``, ``cuda``, ``cuda:N``
     or ``auto`` (the first GPU when torch sees one, else the CPU). Batches are assembled on the
@@ -361,6 +365,8 @@ class TrainConfig:
     """The PPO update."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation."""
+    multiagent: MultiAgentConfig = field(default_factory=MultiAgentConfig)
+    """Several agents in one task (off unless ``multiagent.env`` is set)."""
 
 
 # -- loading ---------------------------------------------------------------------------------

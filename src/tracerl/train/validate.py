@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from tracerl.models.device import resolve_device
 from tracerl.train.algorithms import ESTIMATORS
+from tracerl.train.joint_config import validate_multiagent
 
 if TYPE_CHECKING:
     from tracerl.train.config import TrainConfig
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 
 def validate(config: TrainConfig) -> None:
     """Cross-field rules, checked once before any compute; ValueError names the fields."""
+    validate_multiagent(config)
     r, a, c, u = config.rollout, config.algorithm, config.critic, config.update
     positive_ints = {
         "steps": config.steps, "checkpoint_every": config.checkpoint_every,

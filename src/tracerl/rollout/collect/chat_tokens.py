@@ -130,6 +130,13 @@ class ChatTokens:
         user message, and the generation prompt."""
         return self._render([{"role": "user", "content": observation}], True)
 
+    def opening(self, observation: str) -> list[int]:
+        """The opening context without the generation prompt, for an agent that receives
+        observations (another agent's messages) before it first acts: they follow as
+        :meth:`observation`, whose tokens end with the generation prompt."""
+        opening = self._render([{"role": "user", "content": observation}], False)
+        return self._suffix([], opening, "the first message")
+
     def after_action(self, action_ids: Sequence[int]) -> list[int]:
         """The closing tokens the policy did not sample (none of them when it ended its message
         with the closing's first token, e.g. EOS; all of them when it was cut off)."""
