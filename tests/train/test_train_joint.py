@@ -163,6 +163,8 @@ def test_bad_multiagent_settings_are_refused(tmp_path: Path) -> None:
         config_from_dict({"multiagent": {"env": "chess"}})
     game = {"env": "referential"}
     for section, message in (({"sft": {"enabled": True}}, r"sft\.enabled: not available"),
+                             ({"model": {"lora": {"rank": 4}}},
+                              r"model\.lora\.rank: not available"),
                              ({"multiagent": {**game, "candidates": 1}}, "candidates: must be"),
                              ({"multiagent": {**game, "items": "red"}}, "at least two words"),
                              ({"rollout": {"group_size": 1}}, "compare joint attempts")):

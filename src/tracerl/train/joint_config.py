@@ -60,7 +60,9 @@ def validate_multiagent(config: Any) -> None:
                "update.ema_decay": config.update.ema_decay is not None,
                "dynamic.filter_uniform": config.dynamic.filter_uniform,
                "dynamic.success_sampling": config.dynamic.success_sampling,
-               "model.kind": config.model.kind != "tiny"}
+               "model.kind": config.model.kind != "tiny",
+               "model.lora.rank": config.model.lora.rank > 0,
+               "rollout.engine": getattr(config.rollout, "engine", "local") != "local"}
     for name, used in refused.items():
         if used:
             raise ValueError(f"{name}: not available with multiagent.env "
