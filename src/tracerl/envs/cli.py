@@ -93,7 +93,7 @@ def _sandbox_run(args: argparse.Namespace) -> int:
     sandbox = _sandbox(args, SandboxLimits(wall_seconds=args.timeout))
     with tempfile.TemporaryDirectory(prefix="tracerl-ws-") as tmp:
         write_files(Path(tmp), by_id[args.id].files)
-        result = sandbox.run(tmp, cmd)
+        result = by_id[args.id].sandbox(sandbox).run(tmp, cmd)
     json.dump(result.to_dict(), sys.stdout)
     sys.stdout.write("\n")
     return 0

@@ -278,7 +278,8 @@ class CodingEnv(gym.Env[str, str]):
         if name == "restart":
             return self._restart()
         if name == "run_tests":
-            return failure_excerpt(self.sandbox.run(workspace.root, self.task.test_command))
+            return failure_excerpt(self.task.sandbox(self.sandbox).run(workspace.root,
+                                                                      self.task.test_command))
         raise ValueError(f"no such tool {name!r}")  # parse_tool_call lets none through
 
     def _undo(self) -> str:
