@@ -1,8 +1,9 @@
-"""``tracerl tasks validate|export`` and ``tracerl sandbox run``."""
+"""``tracerl tasks validate|export|humaneval|mine`` and ``tracerl sandbox run``."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -11,7 +12,7 @@ from typing import Any
 
 from tracerl.envs.sandbox import Sandbox, SandboxLimits, SandboxUnavailableError
 from tracerl.envs.suite import generate_split
-from tracerl.envs.tasks import dump_tasks, load_tasks, validate_tasks, write_files
+from tracerl.envs.tasks import Budget, dump_tasks, load_tasks, validate_tasks, write_files
 
 
 def register(subparsers: Any) -> None:
@@ -37,6 +38,19 @@ def register(subparsers: Any) -> None:
     export.add_argument("--max-turns", type=int, default=8,
                         help="each task's budget of actions (default 8)")
     export.set_defaults(func=_export)
+
+    humaneval = tasks_sub.add_parser(
+        "humaneval", help="write HumanEval's 164 problems as tasks (needs tracerl[tasks])")
+    humaneval.add_argument("--out", required=True, help="JSON-lines file to write")
+    humaneval.add_argument("--kind", choices=("implement", "fix", "both"), default="both",
+                           help="implement the function, fix a mutated solution, or both")
+    humaneval.add_argument("--seed", type=int, default=0,
+                           help="draws the visible tests and the mutants")
+    humaneval.add_argument("--limit", type=int, default=None, help="first N problems only")
+    humaneval.add_argument("--max-turns", type=int, default=None,
+                           help="each task's budget of actions (default: the caller's)")
+    _add_unsafe(humaneval)
+    humaneval.set_defaults(func=_humaneval)
 
     sandbox = subparsers.add_parser("sandbox", help="run commands in a task's sandbox")
     sandbox_sub = sandbox.add_subparsers(dest="sandbox_command", metavar="ACTION", required=True)
@@ -78,6 +92,29 @@ def _export(args: argparse.Namespace) -> int:
                            composed=args.composed, max_turns=args.max_turns)
     count = dump_tasks(tasks, args.out)
     print(f"wrote {count} {args.split} tasks to {args.out}")
+    return 0
+
+
+def _humaneval(args: argparse.Namespace) -> int:
+    from tracerl.envs.humaneval import fix_tasks, implement_tasks, load_problems
+
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    if args.max_turns is not None and args.max_turns < 1:
+        raise ValueError(f"--max-turns must be >= 1, got {args.max_turns}")
+    problems = load_problems()[: args.limit]
+    tasks = []
+    if args.kind in ("implement", "both"):
+        tasks += implement_tasks(problems, seed=args.seed)
+    if args.kind in ("fix", "both"):
+        fixes = fix_tasks(problems, _sandbox(args), seed=args.seed)
+        print(f"{len(fixes)}/{len(problems)} problems gave a fix task (a mutant the tests "
+              "catch)")
+        tasks += fixes
+    if args.max_turns is not None:
+        tasks = [dataclasses.replace(t, budget=Budget(max_turns=args.max_turns)) for t in tasks]
+    count = dump_tasks(tasks, args.out)
+    print(f"wrote {count} HumanEval tasks to {args.out}")
     return 0
 
 
