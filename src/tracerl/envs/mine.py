@@ -215,8 +215,8 @@ class Miner:
             tree = ast.parse(prepared[name].files[path])
             jobs += [(name, path, qualified) for qualified, _ in functions(tree)]
         with ThreadPoolExecutor(max_workers=self.settings.workers) as pool:
-            baselines = dict(zip(prepared, pool.map(lambda n: self._baseline(prepared[n],
-                                                                             result),
+            baselines = dict(zip(prepared, pool.map(lambda n: self.baseline(prepared[n].files,
+                                                                            result),
                                                     prepared), strict=True))
             runnable = [job for job in jobs if baselines[job[0]] is not None]
             for name in prepared:
@@ -235,9 +235,9 @@ class Miner:
                 count += 1
         return result
 
-    def _baseline(self, repo: _Repo, result: MineResult) -> tuple[frozenset[str], frozenset[str]] | None:
+    def baseline(self, files: Mapping[str, str], result: MineResult) -> tuple[frozenset[str], frozenset[str]] | None:
         """The stable passing tests and the excluded (flaky or failing) test names."""
-        first, second = self._run(repo.files, ()), self._run(repo.files, ())
+        first, second = self._run(files, ()), self._run(files, ())
         result.tests_run += 2
         both = set(first.outcomes) | set(second.outcomes)
         stable = {t for t in both if first.outcomes.get(t) and second.outcomes.get(t)}
@@ -247,7 +247,7 @@ class Miner:
         if not stable:
             return None
         if excluded:  # the stable tests must pass on their own, without the others
-            check = self._run(repo.files, sorted(excluded))
+            check = self._run(files, sorted(excluded))
             result.tests_run += 1
             if not check.passed or not stable <= set(check.outcomes):
                 return None
@@ -257,7 +257,6 @@ class Miner:
                   baseline: tuple[frozenset[str], frozenset[str]] | None,
                   result: MineResult) -> list[Task]:
         assert baseline is not None
-        stable, excluded = baseline
         tasks: list[Task] = []
         source = repo.files[path]
         seed = self.settings.seed
@@ -266,15 +265,18 @@ class Miner:
                                                 select=lambda n: n == function)):
             if len(tasks) >= self.settings.tasks_per_function:
                 break
-            task = self._try(repo, path, mutant, number, stable, excluded, result)
+            task = self.attempt(repo.files, path, mutant, number, baseline, result)
             if task is not None:
                 tasks.append(task)
         return tasks
 
-    def _try(self, repo: _Repo, path: str, mutant: Mutant, number: int,
-             stable: frozenset[str], excluded: frozenset[str],
-             result: MineResult) -> Task | None:
-        files = {**repo.files, path: mutant.source}
+    def attempt(self, repo_files: Mapping[str, str], path: str, mutant: Mutant, number: int,
+                baseline: tuple[frozenset[str], frozenset[str]],
+                result: MineResult) -> Task | None:
+        """The task ``mutant`` of ``path`` makes, or None (the reason counted in
+        ``result.refused``)."""
+        stable, excluded = baseline
+        files = {**repo_files, path: mutant.source}
         runs: list[Verdict] = []
         for _ in range(2):
             run = self._run(files, sorted(excluded))
@@ -295,17 +297,17 @@ class Miner:
         if not failing:
             result.refused["caught only by flaky tests"] += 1
             return None
-        return self._task(repo, path, mutant, number, failing,
+        return self._task(repo_files, path, mutant, number, failing,
                           sorted(excluded | {_test_name(t) for t in flaky}))
 
-    def _task(self, repo: _Repo, path: str, mutant: Mutant, number: int,
+    def _task(self, repo_files: Mapping[str, str], path: str, mutant: Mutant, number: int,
               failing: list[str], excluded: list[str]) -> Task | None:
         settings = self.settings
         rng = random.Random(f"{settings.seed}:{path}:{mutant.function}:{number}")
         shown = max(1, round(len(failing) * settings.visible_fraction))
         visible = set(rng.sample(failing, shown))
         hidden_only = [t for t in failing if t not in visible]
-        files = {**repo.files, path: mutant.source}
+        files = {**repo_files, path: mutant.source}
         by_file: dict[str, set[tuple[str | None, str]]] = {}
         for nodeid in hidden_only:
             test_file, cls, name = _split_id(nodeid)
@@ -320,10 +322,10 @@ class Miner:
         catching = sorted({_split_id(t)[0] for t in failing})
         hidden: dict[str, str] = {}
         for test_file in catching:
-            if test_file not in repo.files:
+            if test_file not in repo_files:
                 return None
             pure = PurePosixPath(test_file)
-            hidden[str(pure.with_name(f"{pure.stem}_hidden{pure.suffix}"))] = repo.files[test_file]
+            hidden[str(pure.with_name(f"{pure.stem}_hidden{pure.suffix}"))] = repo_files[test_file]
         deselect = (" -k " + shlex.quote("not (" + " or ".join(excluded) + ")")) if excluded else ""
         command = settings.test_command + deselect
         module = PurePosixPath(path).with_suffix("").as_posix().replace("/", ".")
@@ -336,7 +338,7 @@ class Miner:
             hidden_files=hidden,
             hidden_test_command=("python -m pytest -q -p no:cacheprovider -p tracerl_report "
                                  + " ".join(sorted(hidden)) + deselect),
-            solution={path: repo.files[path]}, environment=settings.environment,
+            solution={path: repo_files[path]}, environment=settings.environment,
             extra={"mutation": {"operator": mutant.operator, "function": mutant.function,
                                 "path": path, "line": mutant.line,
                                 "description": mutant.description},
