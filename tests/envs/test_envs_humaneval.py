@@ -80,3 +80,23 @@ def test_every_canonical_solution_passes_its_hidden_tests(problems: list[dict[st
     checks = validate_tasks(implement_tasks(problems), sandbox)
     assert [c for c in checks if not c.ok] == []
     assert len(checks) == PROBLEM_COUNT
+
+
+def test_cli_writes_a_split_that_validates(tmp_path: Path, sandbox: Sandbox,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from tracerl.envs import cli as envs_cli
+
+    parser = argparse.ArgumentParser(prog="tracerl")
+    envs_cli.register(parser.add_subparsers(dest="command"))
+    out = tmp_path / "he.jsonl"
+    args = parser.parse_args(["tasks", "humaneval", "--out", str(out), "--kind", "implement",
+                              "--limit", "8", "--split", "heldout", "--max-turns", "6"])
+    assert args.func(args) == 0
+    tasks = load_tasks(out)
+    assert [t.extra["source"] for t in tasks] == ["HumanEval/0", "HumanEval/4"]
+    assert all(t.budget is not None and t.budget.max_turns == 6 for t in tasks)
+    args = parser.parse_args(["tasks", "validate", str(out)])
+    assert args.func(args) == 0
+    assert "2/2 tasks valid" in capsys.readouterr().out

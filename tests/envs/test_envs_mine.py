@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -155,3 +156,41 @@ def test_settings_and_commands_are_checked() -> None:
         _settings(visible_fraction=0.0)
     assert with_report_plugin("python -m pytest -q tests", ["a", "b"]) == (
         "python -m pytest -p tracerl_report -p no:cacheprovider -k 'not (a or b)' -q tests")
+
+
+def test_cli_mines_a_git_commit_into_train_and_heldout(tmp_path: Path) -> None:
+    import argparse
+    import json
+    import shutil
+    import subprocess
+
+    from tracerl.envs import cli as envs_cli
+    from tracerl.envs.tasks import load_tasks
+
+    if shutil.which("git") is None or shutil.which("bwrap") is None:
+        pytest.skip("needs git and bubblewrap")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "calc.py").write_text(CALC)
+    (repo / "shapes.py").write_text("def area(w, h):\n    return w * h\n")
+    (repo / "test_calc.py").write_text(TESTS)
+    (repo / "test_shapes.py").write_text("from shapes import area\n\n\ndef test_area():\n"
+                                         "    assert area(2, 3) == 6\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "start"], check=True)
+    parser = argparse.ArgumentParser(prog="tracerl")
+    envs_cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["tasks", "mine", "--repo", str(repo), "--commit", "HEAD",
+                              "--out", str(tmp_path / "out"), "--tries", "1",
+                              "--heldout-fraction", "0.5", "--seed", "1"])
+    assert args.func(args) == 0
+    train = load_tasks(tmp_path / "out" / "train.jsonl")
+    heldout = load_tasks(tmp_path / "out" / "heldout.jsonl")
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["train"] == len(train) and summary["heldout"] == len(heldout)
+    assert train and heldout
+    train_paths = {t.extra["mutation"]["path"] for t in train}
+    heldout_paths = {t.extra["mutation"]["path"] for t in heldout}
+    assert not train_paths & heldout_paths  # split by module

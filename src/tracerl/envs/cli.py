@@ -48,6 +48,9 @@ def register(subparsers: Any) -> None:
     humaneval.add_argument("--seed", type=int, default=0,
                            help="draws the visible tests and the mutants")
     humaneval.add_argument("--limit", type=int, default=None, help="first N problems only")
+    humaneval.add_argument("--split", choices=("all", "train", "heldout"), default="all",
+                           help="by problem: every 4th problem (HumanEval/0, /4, ...) is "
+                                "held out, so no function is on both sides")
     humaneval.add_argument("--max-turns", type=int, default=None,
                            help="each task's budget of actions (default: the caller's)")
     _add_unsafe(humaneval)
@@ -137,7 +140,8 @@ def _humaneval(args: argparse.Namespace) -> int:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     if args.max_turns is not None and args.max_turns < 1:
         raise ValueError(f"--max-turns must be >= 1, got {args.max_turns}")
-    problems = load_problems()[: args.limit]
+    problems = [problem for index, problem in enumerate(load_problems()[: args.limit])
+                if args.split == "all" or (index % 4 == 0) == (args.split == "heldout")]
     tasks = []
     if args.kind in ("implement", "both"):
         tasks += implement_tasks(problems, seed=args.seed)
