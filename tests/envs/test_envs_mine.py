@@ -194,3 +194,19 @@ def test_cli_mines_a_git_commit_into_train_and_heldout(tmp_path: Path) -> None:
     train_paths = {t.extra["mutation"]["path"] for t in train}
     heldout_paths = {t.extra["mutation"]["path"] for t in heldout}
     assert not train_paths & heldout_paths  # split by module
+
+
+@pytest.mark.slow
+def test_stdlib_set_mines_and_validates(tmp_path: Path) -> None:
+    import argparse
+    import json
+
+    from tracerl.envs import cli as envs_cli
+
+    parser = argparse.ArgumentParser(prog="tracerl")
+    envs_cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["tasks", "mine", "--stdlib", "colorsys", "getopt", "--tries", "1",
+                              "--validate", "--out", str(tmp_path)])
+    assert args.func(args) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["invalid"] == [] and summary["train"] > 0 and summary["heldout"] > 0
