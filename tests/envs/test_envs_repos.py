@@ -155,3 +155,17 @@ def test_repo_task_cannot_write_outside_or_read_hidden(tmp_path: Path, task_env:
     observation, *_ = env.step('<tool_call>{"name": "run_tests", "arguments": {}}</tool_call>')
     assert "AssertionError" in observation or "FAIL" in observation
     env.close()
+
+
+def test_budget_test_seconds_sets_the_sandbox_time_limit(tmp_path: Path) -> None:
+    row = _row({"path": str(_repo(tmp_path / "project"))}, None)
+    row["budget"] = {"test_seconds": 45}
+    task = Task.from_dict(row)
+    sandbox = Sandbox(unsafe=True)
+    limited = task.sandbox(sandbox)
+    assert limited.limits.wall_seconds == 45 and limited.limits.cpu_seconds == 45
+    assert task.sandbox(sandbox) is limited and sandbox.limits.wall_seconds == 10
+    assert task.to_dict()["budget"] == {"test_seconds": 45}
+    row["budget"] = {"test_seconds": 0}
+    with pytest.raises(ValueError, match="budget.test_seconds must be a positive number"):
+        Task.from_dict(row)

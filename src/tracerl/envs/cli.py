@@ -83,7 +83,8 @@ def register(subparsers: Any) -> None:
                       "(default: mined, or stdlib with --stdlib)")
     mine.add_argument("--workers", type=int, default=2, help="sandboxes run at once")
     mine.add_argument("--timeout", type=float, default=60.0,
-                      help="wall-clock seconds of one test run")
+                      help="wall-clock seconds of one test run; also the tasks' "
+                           "budget.test_seconds")
     mine.add_argument("--validate", action="store_true",
                       help="also validate every task (3 more test runs each) and keep the "
                            "valid ones")
@@ -176,7 +177,7 @@ def _mine(args: argparse.Namespace) -> int:
         max_tasks=args.max_tasks, heldout_fraction=args.heldout_fraction,
         environment=args.environment,
         name=args.name or ("stdlib" if args.stdlib is not None else "mined"),
-        workers=args.workers)
+        workers=args.workers, test_seconds=args.timeout)
     sandbox = _sandbox(args, SandboxLimits(wall_seconds=args.timeout,
                                            cpu_seconds=max(1, int(args.timeout))))
     result = Miner(settings, sandbox).mine(repos)

@@ -38,7 +38,7 @@ from pathlib import PurePosixPath
 
 from tracerl.envs.mutate import Mutant, functions, mutants
 from tracerl.envs.sandbox import Sandbox
-from tracerl.envs.tasks import Task
+from tracerl.envs.tasks import Budget, Task
 from tracerl.envs.verdict import Verdict, run_verdict
 
 DEFAULT_TESTS = ("test_*.py", "*_test.py", "tests/*", "test/*", "*/tests/*", "conftest.py",
@@ -75,6 +75,8 @@ class MineSettings:
     """Prefix of the task ids and the tasks' family."""
     workers: int = 2
     """Sandboxes run at once."""
+    test_seconds: float | None = None
+    """The tasks' ``budget.test_seconds`` (their tests' time limit in the sandbox)."""
 
     def __post_init__(self) -> None:
         if "pytest" not in self.test_command.split() and "pytest" not in self.test_command:
@@ -339,6 +341,8 @@ class Miner:
             hidden_test_command=("python -m pytest -q -p no:cacheprovider -p tracerl_report "
                                  + " ".join(sorted(hidden)) + deselect),
             solution={path: repo_files[path]}, environment=settings.environment,
+            budget=(None if settings.test_seconds is None
+                    else Budget(test_seconds=settings.test_seconds)),
             extra={"mutation": {"operator": mutant.operator, "function": mutant.function,
                                 "path": path, "line": mutant.line,
                                 "description": mutant.description},

@@ -223,6 +223,19 @@ class Sandbox:
                 self._derived[environment] = derived
             return self._derived[environment]
 
+    def with_limits(self, limits: SandboxLimits) -> Sandbox:
+        """This sandbox (same environment) with other limits; derived sandboxes are cached."""
+        if limits == self.limits:
+            return self
+        key = f"limits:{limits!r}"
+        with self._derived_lock:
+            if key not in self._derived:
+                derived = copy.copy(self)
+                derived.limits = limits
+                derived._derived, derived._derived_lock = {}, threading.Lock()
+                self._derived[key] = derived
+            return self._derived[key]
+
     @property
     def isolated(self) -> bool:
         """True when commands run under bubblewrap (not in unsafe mode)."""

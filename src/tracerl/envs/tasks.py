@@ -7,8 +7,10 @@ verifier after the attempt. See ``docs/envs.md`` for the format with an example.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
+import math
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,9 +43,12 @@ class Budget:
     """Most tokens the policy may generate over the attempt (enforced by the collector)."""
     max_seconds: float | None = None
     """Most wall-clock seconds for the attempt before it is truncated."""
+    test_seconds: float | None = None
+    """Wall-clock (and CPU) seconds one of the task's commands may take in the sandbox, for
+    tasks whose tests take longer than the sandbox's default (a real project's suite)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_new_tokens", "max_seconds"):
+        for name in ("max_turns", "max_new_tokens", "max_seconds", "test_seconds"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value <= 0):
                 raise ValueError(f"budget.{name} must be a positive number, got {value!r}")
@@ -51,7 +56,8 @@ class Budget:
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in (("max_turns", self.max_turns),
                                   ("max_new_tokens", self.max_new_tokens),
-                                  ("max_seconds", self.max_seconds)) if v is not None}
+                                  ("max_seconds", self.max_seconds),
+                                  ("test_seconds", self.test_seconds)) if v is not None}
 
 
 @dataclass(frozen=True)
@@ -143,8 +149,14 @@ class Task:
         return {p: c for p, c in self.files.items() if self.is_protected(p)}
 
     def sandbox(self, sandbox: Sandbox) -> Sandbox:
-        """``sandbox`` running this task's commands in its ``environment``."""
-        return sandbox.with_environment(self.environment)
+        """``sandbox`` running this task's commands in its ``environment``, with its
+        ``budget.test_seconds`` as the time limit when it sets one."""
+        derived = sandbox.with_environment(self.environment)
+        seconds = None if self.budget is None else self.budget.test_seconds
+        if seconds is None:
+            return derived
+        return derived.with_limits(dataclasses.replace(
+            derived.limits, wall_seconds=seconds, cpu_seconds=max(1, math.ceil(seconds))))
 
     def to_dict(self) -> dict[str, Any]:
         files = dict(self.files)
@@ -199,7 +211,8 @@ class Task:
         budget = row.get("budget")
         if budget is not None and not isinstance(budget, Mapping):
             raise ValueError(f"task {row['id']}: budget must be an object")
-        unknown_budget = set(budget or {}) - {"max_turns", "max_new_tokens", "max_seconds"}
+        unknown_budget = set(budget or {}) - {"max_turns", "max_new_tokens", "max_seconds",
+                                              "test_seconds"}
         if unknown_budget:
             raise ValueError(f"task {row['id']}: unknown budget keys {sorted(unknown_budget)}")
         protected = row["protected"]
