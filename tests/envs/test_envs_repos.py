@@ -167,5 +167,15 @@ def test_budget_test_seconds_sets_the_sandbox_time_limit(tmp_path: Path) -> None
     assert task.sandbox(sandbox) is limited and sandbox.limits.wall_seconds == 10
     assert task.to_dict()["budget"] == {"test_seconds": 45}
     row["budget"] = {"test_seconds": 0}
-    with pytest.raises(ValueError, match="budget.test_seconds must be a positive number"):
+    with pytest.raises(ValueError, match=r"budget\.test_seconds must be a positive number"):
         Task.from_dict(row)
+
+
+def test_a_sandbox_with_derived_ones_still_pickles(task_env: Path) -> None:
+    import pickle
+
+    sandbox = Sandbox(unsafe=True)
+    derived = sandbox.with_environment(str(task_env))
+    assert sandbox.with_environment(str(task_env)) is derived
+    copy = pickle.loads(pickle.dumps(sandbox))  # sandboxes travel to Ray workers
+    assert copy.with_environment(str(task_env)).environment == str(task_env)

@@ -205,7 +205,9 @@ class Sandbox:
         self._setpriv = shutil.which("setpriv")
         self.environment: str | None = None
         self._derived: dict[str, Sandbox] = {}
-        self._derived_lock = threading.Lock()
+        """Sandboxes derived for an environment or for other limits (no lock: a sandbox is
+        pickled to Ray workers, and two threads deriving the same one at once are harmless,
+        ``setdefault`` keeps one)."""
 
     def with_environment(self, environment: str | None) -> Sandbox:
         """This sandbox with commands run in ``environment`` (a virtualenv or a Python
@@ -213,28 +215,26 @@ class Sandbox:
         tracerl runs under; ``None`` returns this sandbox. Derived sandboxes are cached."""
         if environment is None or environment == self.environment:
             return self
-        with self._derived_lock:
-            if environment not in self._derived:
-                bin_dir, dirs = environment_dirs(environment)
-                derived = copy.copy(self)
-                derived.environment = environment
-                derived._python_dir, derived._interp_dirs = bin_dir, dirs
-                derived._derived, derived._derived_lock = {}, threading.Lock()
-                self._derived[environment] = derived
-            return self._derived[environment]
+        if environment not in self._derived:
+            bin_dir, dirs = environment_dirs(environment)
+            derived = copy.copy(self)
+            derived.environment = environment
+            derived._python_dir, derived._interp_dirs = bin_dir, dirs
+            derived._derived = {}
+            self._derived.setdefault(environment, derived)
+        return self._derived[environment]
 
     def with_limits(self, limits: SandboxLimits) -> Sandbox:
         """This sandbox (same environment) with other limits; derived sandboxes are cached."""
         if limits == self.limits:
             return self
         key = f"limits:{limits!r}"
-        with self._derived_lock:
-            if key not in self._derived:
-                derived = copy.copy(self)
-                derived.limits = limits
-                derived._derived, derived._derived_lock = {}, threading.Lock()
-                self._derived[key] = derived
-            return self._derived[key]
+        if key not in self._derived:
+            derived = copy.copy(self)
+            derived.limits = limits
+            derived._derived = {}
+            self._derived.setdefault(key, derived)
+        return self._derived[key]
 
     @property
     def isolated(self) -> bool:
