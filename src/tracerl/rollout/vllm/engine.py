@@ -52,6 +52,8 @@ def version_name(sync: int, version: int) -> str:
 
 LM_HEAD_FILE = "lm_head.safetensors"
 """Where :func:`save_for_engine` writes the output layer of a model with tied embeddings."""
+BODY_FILE = "model-body.safetensors"
+"""Where it moves the other weights of a single-file checkpoint (an index names both)."""
 
 
 def save_for_engine(model: Any, directory: Path) -> None:
@@ -66,15 +68,25 @@ def save_for_engine(model: Any, directory: Path) -> None:
     embed = model.get_input_embeddings()
     if head is None or embed is None or head.weight.data_ptr() != embed.weight.data_ptr():
         return
+    from safetensors import safe_open
     from safetensors.torch import save_file
 
     save_file({"lm_head.weight": head.weight.detach().to("cpu").contiguous().clone()},
               str(directory / LM_HEAD_FILE), metadata={"format": "pt"})
+    # An index names the file of every weight, so transformers and vLLM both read the extra
+    # file: a single-file checkpoint becomes a sharded one (transformers reads a file named
+    # model.safetensors alone, ignoring any index).
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         data = json.loads(index.read_text(encoding="utf-8"))
-        data.setdefault("weight_map", {})["lm_head.weight"] = LM_HEAD_FILE
-        index.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    else:
+        single = directory / "model.safetensors"
+        with safe_open(str(single), framework="pt") as handle:
+            names = list(handle.keys())
+        single.rename(directory / BODY_FILE)
+        data = {"metadata": {}, "weight_map": dict.fromkeys(names, BODY_FILE)}
+    data.setdefault("weight_map", {})["lm_head.weight"] = LM_HEAD_FILE
+    index.write_text(json.dumps(data, indent=1), encoding="utf-8")
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["tie_word_embeddings"] = False

@@ -170,13 +170,13 @@ class VllmServer:
             raise EngineError("the server is already started")
         if not (self.model_dir / "config.json").is_file():
             raise EngineStartError(f"vllm: {self.model_dir} holds no model (no config.json)")
-        if not vllm_available(self.python):
-            raise EngineStartError(f"vllm: {self.python} cannot import vLLM; {INSTALL_HINT}")
         if self.port == 0:
             self.port = free_port(self.config.host)
         elif port_taken(self.config.host, self.port):
             raise EngineStartError(f"vllm.port: {self.config.host}:{self.port} is already in "
                                    "use; choose another port, or 0 for a free one")
+        if not vllm_available(self.python):
+            raise EngineStartError(f"vllm: {self.python} cannot import vLLM; {INSTALL_HINT}")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             log.write(("$ " + " ".join(self.command()) + "\n").encode())
