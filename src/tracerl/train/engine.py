@@ -14,6 +14,7 @@ numbers do not depend on the engine).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -53,7 +54,12 @@ class RolloutEngine:
         elif self.vllm.verified_version != version:
             self.last_sync = self.vllm.sync(model, version)
         else:
-            self.last_sync = {}
+            # Nothing to load, but the probe runs anyway: a sync that was skipped or lost
+            # (the server restarted on older weights) shows here, before any sampling.
+            started = time.perf_counter()
+            result = self.vllm.verify(model, version)
+            self.last_sync = {"verify_seconds": time.perf_counter() - started,
+                              "probe_max_abs_diff": result.max_abs_diff}
         assert self.vllm.policy is not None
         return self.vllm.policy
 
