@@ -118,9 +118,8 @@ class Trainer:
         try:
             return self._run()
         finally:
-            engine = getattr(self, "engine", None)
-            if engine is not None:
-                engine.close()
+            if hasattr(self, "engine"):  # what samples the attempts (``rollout.engine``)
+                self.engine.close()
 
     def _run(self) -> dict[str, Any]:
         self.setup()
@@ -248,7 +247,6 @@ class Trainer:
                                          config.update.ema_decay)
         self.policy.policy_version = self.state.policy_version
         self.engine = RolloutEngine(self)
-        """What samples the training attempts (``rollout.engine``)."""
         self.reference: ActorCritic | None = None
         if self.lead:
             self.store = TraceStore(self.run_dir / "traces", fsync=False)
@@ -300,8 +298,7 @@ class Trainer:
         ``collector_config``, as every evaluation builds it), sampling from ``policy`` (default:
         the local one)."""
         config = collector_config(self.config.rollout, seed=seed, temperature=temperature)
-        # HFPolicy and OpenAIPolicy satisfy the collector's SamplingPolicy.
-        sampler: Any = self.policy if policy is None else policy
+        sampler: Any = policy or self.policy  # HFPolicy, OpenAIPolicy: SamplingPolicies
         return Collector(sampler, self.make_env_factory(tasks), store, config)
 
     @contextlib.contextmanager
@@ -398,8 +395,8 @@ class Trainer:
                                                "filtered_all_one": filtered["all_one"],
                                                "rounds": len(used) and round_index + 1},
                                    "time": {"generation_seconds": seconds["generation"]}}
-        if self.engine.metrics():
-            metrics["engine"] = self.engine.metrics()
+        if engine := self.engine.metrics():
+            metrics["engine"] = engine
         return kept, spent, metrics
 
     # -- verify -------------------------------------------------------------------------------
