@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tracerl-installed
 
-.PHONY: test test-slow test-engine engine-env lint sandbox browser demo bench bench-env bench-gae bench-trl clean
+.PHONY: test test-slow test-engine engine-env bench-engine lint sandbox browser demo bench bench-env bench-gae bench-trl clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,8 +38,9 @@ test-slow: $(STAMP) sandbox
 demo: $(STAMP) sandbox
 	$(PY) -m tracerl demo
 
+# bench/engine.py needs vLLM's environment: `make bench-engine`.
 bench: $(STAMP) sandbox
-	for f in bench/*.py; do $(PY) $$f || exit 1; done
+	for f in bench/*.py; do [ $$f = bench/engine.py ] || $(PY) $$f || exit 1; done
 
 # A separate environment for comparisons against verl and TRL, whose install pins would clash with
 # ours; tracerl itself goes in without dependencies so the same torch is measured.
@@ -101,6 +102,9 @@ engine-env: $(ENGINE_STAMP)
 # Tests against a real vLLM server (CPU build) on the tiny model; excluded from `make test`.
 test-engine: $(ENGINE_STAMP)
 	$(ENGINE_PY) -m pytest -m engine tests/rollout/engine
+
+bench-engine: $(STAMP) $(ENGINE_STAMP)
+	$(PY) bench/engine.py --python $(ENGINE_PY)
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) $(ENGINE_VENV) runs .pytest_cache .mypy_cache .ruff_cache

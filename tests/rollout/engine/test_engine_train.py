@@ -137,21 +137,31 @@ def test_a_skipped_sync_stops_the_run(policy_dir: Path, shared_server: VllmServe
 
 
 class KillingEnv(OneCallEnv):
-    """Kills the server when the first action arrives: the other attempts are in flight."""
+    """Once ``armed`` (the training collection, not the local evaluation before it), the
+    first action kills the server; every attempt goes on to a next turn, which the dead
+    server cannot sample."""
 
     server: VllmServer | None = None
+    armed = False
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if not KillingEnv.armed:
+            return super().step(action)
         server = KillingEnv.server
         if server is not None and server.process is not None and server.alive():
             os.killpg(server.process.pid, signal.SIGKILL)
             server.process.wait(30)
-        return super().step(action)
+        return "OK", 0.0, False, False, {"task_id": self.task_id, "turn": 1, "tool": None,
+                                         "tool_seconds": 0.0, "tool_error": False}
 
 
 class KillingTrainer(Trainer):
     def make_env_factory(self, tasks: Sequence[Task]) -> Callable[[], OneCallEnv]:
         return KillingEnv
+
+    def collect(self, step: int) -> Any:
+        KillingEnv.armed = True
+        return super().collect(step)
 
 
 def test_server_killed_mid_collection(policy_dir: Path, shared_server: VllmServer,
@@ -159,7 +169,8 @@ def test_server_killed_mid_collection(policy_dir: Path, shared_server: VllmServe
     KillingEnv.server = shared_server
     config = load_config(recipe(tmp_path, policy_dir, url=shared_server.base_url,
                                 request_seconds=30.0),
-                         ["rollout.tasks_per_step=4", "rollout.concurrency=8"])
+                         ["rollout.tasks_per_step=4", "rollout.concurrency=8",
+                          "rollout.max_turns=2"])
     trainer = KillingTrainer(config)
     with pytest.raises(EngineUnavailable, match=r"step 0: the vLLM server at .* does not "
                                                 r"answer.*ended tool_error"):
@@ -168,9 +179,10 @@ def test_server_killed_mid_collection(policy_dir: Path, shared_server: VllmServe
     ids = [a.attempt_id for a in attempts]
     assert len(ids) == len(set(ids)) == 8  # each attempt recorded, once
     failed = [a for a in attempts if a.end_reason is EndReason.TOOL_ERROR]
-    assert failed, "some attempts were in flight when the server died"
+    assert failed, "the attempts' second turns found the server dead"
     for attempt in failed:
         assert attempt.metadata["failed"] == "sampler" and attempt.reward is None
+        assert "EndpointUnreachable" in attempt.metadata["error"]
     finished = [a for a in attempts if a.end_reason is not EndReason.TOOL_ERROR]
     assert all(a.reward is not None for a in finished)
 
