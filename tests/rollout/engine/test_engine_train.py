@@ -172,7 +172,7 @@ def test_server_killed_mid_collection(policy_dir: Path, shared_server: VllmServe
                          ["rollout.tasks_per_step=4", "rollout.concurrency=8",
                           "rollout.max_turns=2"])
     trainer = KillingTrainer(config)
-    with pytest.raises(EngineUnavailable, match=r"step 0: the vLLM server at .* does not "
+    with pytest.raises(EngineUnavailable, match=r"(?s)step 0: the vLLM server at .* does not "
                                                 r"answer.*ended tool_error"):
         trainer.run()
     attempts = read_attempts(tmp_path / "run" / "traces")
