@@ -32,6 +32,7 @@ import itertools
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -445,7 +446,7 @@ class Sandbox:
                     os.close(info_fd)
             timed_out = False
             try:
-                returncode = proc.wait(timeout=lim.wall_seconds)
+                returncode = _wait(proc, lim.wall_seconds)
             except subprocess.TimeoutExpired:
                 timed_out = True
                 _kill_group(proc.pid)
@@ -489,6 +490,23 @@ def _read_child_pid(info_read: int) -> int | None:
     except (ValueError, AttributeError):
         return None
     return pid if isinstance(pid, int) and pid > 1 else None
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout: float) -> int:
+    """``proc.wait(timeout)``, woken by the exit itself. With a timeout, Python's own wait polls
+    with sleeps that double up to 50 ms, which added ~30 ms to a 35 ms test run; a pidfd (Linux
+    5.3+) becomes readable the moment the process exits."""
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # no pidfd here: Python's polling wait
+        return proc.wait(timeout=timeout)
+    try:
+        ready, _, _ = select.select([pidfd], [], [], timeout)
+    finally:
+        os.close(pidfd)
+    if not ready:
+        raise subprocess.TimeoutExpired(proc.args, timeout)
+    return proc.wait()
 
 
 def _kill_and_wait(pid: int, timeout: float) -> None:

@@ -28,6 +28,7 @@ from tracerl.envs.tasks import Task
 from tracerl.eval.behaviour import behaviour
 from tracerl.eval.judge import Judge, JudgeConfig, independence_warning
 from tracerl.eval.summary import fault_comparison, summarize
+from tracerl.models.lora import is_adapter_dir
 from tracerl.rollout.collect.chat_tokens import read_conversation
 from tracerl.rollout.collect.collector import Collector, CollectorConfig
 from tracerl.rollout.settings import RolloutConfig, collector_config, read_rollout
@@ -93,13 +94,14 @@ def load_policy(path: str | Path, device: str = "cpu") -> Any:
     directory = Path(path)
     if not directory.is_dir():
         raise ValueError(f"--policy {str(directory)!r}: not a directory")
-    if not (directory / "config.json").is_file():
+    if not (directory / "config.json").is_file() and not is_adapter_dir(directory):
         raise ValueError(f"--policy {str(directory)!r}: holds no model (config.json is missing; "
-                         "a checkpoint is written by save_pretrained)")
+                         "a checkpoint is written by save_pretrained) and no LoRA adapter "
+                         "(adapter_config.json)")
     try:
         from tracerl.models.tiny import load_tiny
 
-        model, tokenizer = load_tiny(directory)
+        model, tokenizer = load_tiny(directory)  # an adapter: on its base, merged
     except ValueError:
         raise  # load_tiny's own message (e.g. a tensor that is not finite) names the problem
     except Exception as error:  # transformers raises many kinds; say which and why

@@ -277,10 +277,16 @@ def save_tiny(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: 
 
 def load_tiny(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a directory written by ``save_tiny`` (or any local causal LM) in float32, offline;
-    ValueError naming the tensor when a weight is NaN or infinite."""
+    ValueError naming the tensor when a weight is NaN or infinite. A directory holding a LoRA
+    adapter (PEFT's layout: a LoRA run's checkpoint or policy) gives its base with the adapter
+    merged into the weights (``models.lora.load_adapter_dir``)."""
+    from tracerl.models import lora
     from tracerl.models.weights import check_finite_weights
 
     directory = Path(path)
+    if lora.is_adapter_dir(directory):
+        model, tokenizer = lora.load_adapter_dir(directory, merge=True)
+        return model, tokenizer
     if not (directory / "config.json").is_file():
         raise ValueError(f"path {str(directory)!r} holds no model (config.json is missing)")
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)

@@ -35,6 +35,26 @@ needs, a critic or groups, is on its registry entry)."""
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA: train a low-rank adapter on chosen linear layers instead of every weight (needs
+    the ``peft`` package: ``pip install 'tracerl[lora]'``). The KL reference is then the same
+    model with its adapter disabled, and checkpoints hold the adapter (see docs/training.md)."""
+
+    rank: int = 0
+    """Rank of each adapter; 0: off (every weight of the policy trains, the keys below are
+    ignored)."""
+    alpha: float = 16.0
+    """Scale of the adapter: its output is multiplied by ``alpha / rank``."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    """Names of the linear layers that get an adapter (a YAML list, or one comma-separated
+    string as in ``model.lora.target_modules=q_proj,v_proj``); the default is the attention
+    projections of Llama-style models. A name no module has is refused, listing the names the
+    model has."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while the policy trains, in [0, 1)."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The policy: a tiny Llama built here, or a transformers model by name or path."""
 
@@ -59,6 +79,8 @@ class ModelConfig:
     """Where the policy, critic and reference live and train: ``cpu``, ``cuda``, ``cuda:N``
     or ``auto`` (the first GPU when torch sees one, else the CPU). Batches are assembled on the
     CPU and each micro-batch is moved to this device; checkpoints are the same either way."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """A LoRA adapter instead of training every weight (``model.lora.rank > 0``)."""
 
 
 @dataclass(frozen=True)
@@ -355,6 +377,8 @@ def _type_name(hint: Any) -> str:
         return " or ".join(_type_name(a) for a in get_args(hint))
     if hint is type(None):
         return "null"
+    if origin is tuple:
+        return f"a list of {_type_name(get_args(hint)[0])}"
     if is_dataclass(hint):
         return f"a mapping ({getattr(hint, '__name__', 'section')})"
     return getattr(hint, "__name__", str(hint))
@@ -378,6 +402,13 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
         if value is None:
             return None
         raise ValueError(f"{name}: got {value!r}, accepts null")
+    if origin is tuple:
+        if isinstance(value, str):  # ``a,b`` from an override
+            value = [part.strip() for part in value.split(",")]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{name}: got {value!r}, accepts a list")
+        item = get_args(hint)[0]
+        return tuple(_coerce(v, item, f"{name}[{i}]") for i, v in enumerate(value))
     if is_dataclass(hint):
         if not isinstance(value, dict):
             raise ValueError(f"{name}: got {value!r}, accepts {_type_name(hint)}")
@@ -485,8 +516,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
-    """Plain nested mappings (YAML- and JSON-ready)."""
-    return dataclasses.asdict(config)
+    """Plain nested mappings (YAML- and JSON-ready: tuples become lists)."""
+    return _lists(dataclasses.asdict(config))
+
+
+def _lists(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _lists(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_lists(v) for v in value]
+    return value
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:

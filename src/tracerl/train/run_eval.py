@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from tracerl.models.lora import is_adapter_dir, is_lora, load_adapter_weights
 from tracerl.train.checkpoint import checkpoint_path, kept_steps
 
 _RANGE = re.compile(r"^(\d+)-(\d+)$")
@@ -111,7 +112,7 @@ def mix_spec(alpha: float, step: int) -> PolicySpec:
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     """Where the policy after ``step`` RL steps is (step 0: ``sft``)."""
     path = run_dir / "sft" if step == 0 else checkpoint_path(run_dir, step)
-    if not (path / "model.safetensors").is_file():
+    if not (path / _weights_file(path)).is_file():
         if step == 0:
             raise ValueError(f"step 0: no warm start at {path} (the run had no SFT phase)")
         raise ValueError(f"step {step}: no policy at {path} (the run kept steps "
@@ -120,14 +121,21 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return path
 
 
+def _weights_file(path: Path) -> str:
+    """The file of a checkpoint's weights: the model's, or a LoRA run's adapter's."""
+    return "adapter_model.safetensors" if is_adapter_dir(path) else "model.safetensors"
+
+
 def mean_weights(run_dir: Path, spec: PolicySpec) -> dict[str, torch.Tensor]:
-    """The weighted mean of the checkpoints' tensors, accumulated in float64."""
+    """The weighted mean of the checkpoints' tensors, accumulated in float64 (a LoRA run's:
+    of its adapters' factors, A and B each, on the run's one base)."""
     from safetensors.torch import load_file
 
     total: dict[str, torch.Tensor] = {}
     dtypes: dict[str, torch.dtype] = {}
     for step, weight in spec.weights:
-        tensors = load_file(str(checkpoint_dir(run_dir, step) / "model.safetensors"))
+        directory = checkpoint_dir(run_dir, step)
+        tensors = load_file(str(directory / _weights_file(directory)))
         if total and set(tensors) != set(total):
             raise ValueError(f"step {step}: its tensors differ from the other checkpoints'")
         for name, tensor in tensors.items():
@@ -165,12 +173,10 @@ def evaluate_run(run_dir: Path, specs: Sequence[PolicySpec], out: Path | None = 
     try:
         for spec in specs:
             state = mean_weights(run_dir, spec)
-            result = model.load_state_dict(state, strict=False)
-            tied = {name for name in result.missing_keys if name.endswith("lm_head.weight")}
-            if result.unexpected_keys or set(result.missing_keys) - tied:
-                raise ValueError(f"{spec.label}: the checkpoint does not fit the run's model "
-                                 f"(missing {result.missing_keys}, unexpected "
-                                 f"{result.unexpected_keys})")
+            if is_lora(model):
+                load_adapter_weights(model, state, spec.label)
+            else:
+                _load_weights(model, state, spec.label)
             evaluated = trainer.evaluate(spec.label, policy=spec.label,
                                          steps=max(step for step, _ in spec.weights))
             record: dict[str, Any] = {"label": spec.label, "steps": [s for s, _ in spec.weights],
@@ -187,6 +193,15 @@ def evaluate_run(run_dir: Path, specs: Sequence[PolicySpec], out: Path | None = 
     finally:
         trainer.close()
     return records
+
+
+def _load_weights(model: Any, state: dict[str, torch.Tensor], label: str) -> None:
+    result = model.load_state_dict(state, strict=False)
+    tied = {name for name in result.missing_keys if name.endswith("lm_head.weight")}
+    if result.unexpected_keys or set(result.missing_keys) - tied:
+        raise ValueError(f"{label}: the checkpoint does not fit the run's model "
+                         f"(missing {result.missing_keys}, unexpected "
+                         f"{result.unexpected_keys})")
 
 
 def spec_steps(specs: Sequence[PolicySpec]) -> list[int]:

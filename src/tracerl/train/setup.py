@@ -8,6 +8,7 @@ calls them in that order.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -20,7 +21,8 @@ from tracerl.envs import Task, load_tasks
 from tracerl.envs.coding import task_statement
 from tracerl.envs.suite import generate_split
 from tracerl.envs.suite.augment import renamed_copies
-from tracerl.models.tiny import load_tiny
+from tracerl.models import lora
+from tracerl.models.tiny import load_tiny, save_tiny
 from tracerl.rollout import HFPolicy
 from tracerl.rollout.collect.chat_tokens import ChatTokens
 from tracerl.rollout.settings import RolloutConfig
@@ -76,14 +78,68 @@ def _train_seed(config: TrainConfig) -> int:
 
 
 def load_model(directory: Path) -> tuple[Any, Any]:
-    """The model and tokenizer saved in ``directory`` (refused if a weight is not finite)."""
+    """The model and tokenizer saved in ``directory`` (refused if a weight is not finite); a
+    LoRA adapter saved there comes back on its base, trainable."""
+    if lora.is_adapter_dir(directory):
+        return lora.load_adapter_dir(directory, trainable=True)
     return load_tiny(directory)
+
+
+def lora_policy(config: TrainConfig, model: Any, tokenizer: Any, source: Path | None) -> Any:
+    """The policy a run trains: ``model`` as it is when ``model.lora`` is off or ``model``
+    already holds an adapter (a LoRA checkpoint), else ``model`` with a fresh adapter.
+    ``source``: the directory ``model`` was loaded from (the warm start's), None for a model
+    built or loaded from ``model.path`` now; that directory, ``model.path``, or else ``base/``
+    in the run directory (written here, once) is recorded as the adapter's base."""
+    settings = config.model.lora
+    if lora.is_lora(model) or settings.rank == 0:
+        if lora.is_lora(model) and settings.rank == 0:
+            raise ValueError(f"model.lora.rank: {source} holds a LoRA adapter, so the run it "
+                             "resumes needs model.lora.rank > 0")
+        return model
+    if source is not None and source.parent.name == "checkpoints":
+        raise ValueError(f"model.lora.rank: {source} was trained without LoRA; a LoRA run "
+                         "cannot resume it (use a new run_dir)")
+    base: str | None = None if source is None else str(source.resolve())
+    if base is None and config.model.path is not None:
+        path = Path(config.model.path)
+        base = str(path.resolve()) if path.is_dir() else config.model.path
+    if base is None:
+        base = str(save_tiny(model, tokenizer, Path(config.run_dir) / lora.BASE_DIR).resolve())
+    adapter = lora_settings(config)
+    assert adapter is not None
+    return lora.apply_lora(model, adapter, base_name=base, seed=config.seed)
+
+
+def lora_settings(config: TrainConfig) -> lora.LoraSettings | None:
+    """``model.lora`` as :func:`tracerl.models.lora.apply_lora` takes it; None when off."""
+    settings = config.model.lora
+    if settings.rank == 0:
+        return None
+    return lora.LoraSettings(rank=settings.rank, alpha=settings.alpha,
+                             target_modules=settings.target_modules, dropout=settings.dropout)
+
+
+def reference_policy(policy: Any, run_dir: Path) -> Any:
+    """The KL anchor's model, frozen: with LoRA the policy with its adapter disabled (the
+    same weights, no copy); else the warm start's policy, or a copy of the policy as it is
+    (RL has not changed it yet when this is first asked for)."""
+    if lora.is_lora(policy):
+        return lora.AdapterOff(policy)
+    if (run_dir / "sft" / "DONE").is_file():
+        model, _ = load_model(run_dir / "sft")
+    else:
+        model = copy.deepcopy(policy)
+    return model.requires_grad_(False)
 
 
 def build_model(config: TrainConfig, tokenizer_texts: Callable[[], Sequence[str]]
                 ) -> tuple[Any, Any]:
     """The policy a new run starts from: ``model.path``'s, or a tiny model with a tokenizer
-    trained on ``tokenizer_texts()``."""
+    trained on ``tokenizer_texts()``. A ``model.path`` holding a LoRA adapter (a LoRA run's
+    checkpoint) gives its base with the adapter on it, trainable."""
+    if config.model.path is not None and lora.is_adapter_dir(config.model.path):
+        return load_model(Path(config.model.path))
     if config.model.kind == "pretrained":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

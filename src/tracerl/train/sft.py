@@ -121,7 +121,8 @@ def supervised_finetune(model: torch.nn.Module, sequences: Sequence[tuple[list[i
     generator = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     device = next(model.parameters()).device  # batches are padded on the CPU, then moved
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapter
+    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0)
     warmup = max(1, steps // 20)
 
     def schedule(step: int) -> float:
@@ -164,7 +165,7 @@ def supervised_finetune(model: torch.nn.Module, sequences: Sequence[tuple[list[i
         loss = demonstration_loss(model, ids, attention, action, observation_weight)
         optimizer.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
         scheduler.step()
         losses.append(float(loss.detach()))

@@ -25,7 +25,6 @@ critic's explained variance), :mod:`tracerl.train.average` (the weight average o
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import json
 import math
@@ -216,12 +215,11 @@ class Trainer:
         latest = ckpt.latest_checkpoint(self.run_dir)
         sft_dir = self.run_dir / "sft"
         if latest is not None:
-            model, tokenizer = setup.load_model(latest)
             self.log(f"resuming from {latest}")
-        elif (sft_dir / "DONE").is_file():
-            model, tokenizer = setup.load_model(sft_dir)
-        else:
-            model, tokenizer = setup.build_model(config, self.demos.tokenizer_texts)
+        source = latest or (sft_dir if (sft_dir / "DONE").is_file() else None)
+        model, tokenizer = (setup.load_model(source) if source is not None
+                            else setup.build_model(config, self.demos.tokenizer_texts))
+        model = setup.lora_policy(config, model, tokenizer, source)  # model.lora: an adapter
         self.tokenizer = tokenizer
         self.actor = ActorCritic(model, config.critic, config.rollout.temperature).to(self.device)
         self.policy = HFPolicy(model, tokenizer, max_batch_size=config.rollout.concurrency)
@@ -533,13 +531,8 @@ class Trainer:
         """The KL anchor: the policy as RL started (after the warm start), frozen."""
         if self.config.update.kl_coef <= 0:
             return None
-        if self.reference is None:
-            source = self.run_dir / "sft" if (self.run_dir / "sft" / "DONE").is_file() else None
-            if source is not None:
-                model, _ = setup.load_model(source)
-            else:
-                model = copy.deepcopy(self.actor.policy)
-            model.requires_grad_(False)
+        if self.reference is None:  # with LoRA: the policy with its adapter disabled
+            model = setup.reference_policy(self.actor.policy, self.run_dir)
             self.reference = ActorCritic(model, dataclasses.replace(self.config.critic,
                                                                     kind="none"),
                                          self.config.rollout.temperature).to(self.device)

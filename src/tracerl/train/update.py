@@ -38,6 +38,7 @@ from tracerl.core import (
     truncated_importance_weights,
     value_loss,
 )
+from tracerl.models import lora
 from tracerl.rollout.policies.fused_llama import (
     fused_head,
     fused_sequence_forward,
@@ -124,8 +125,8 @@ class ActorCritic(torch.nn.Module):
             self.value_head = torch.nn.Linear(hidden, 1)
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
-        if critic.kind == "separate":
-            backbone: torch.nn.Module = getattr(copy.deepcopy(policy), "model")  # noqa: B009
+        if critic.kind == "separate":  # a LoRA policy's critic: the base with its own adapter
+            backbone: torch.nn.Module = copy.deepcopy(lora.base_model(policy)).model
             self.critic_backbone = backbone
 
     def _use_fused(self) -> bool:
@@ -165,8 +166,9 @@ class ActorCritic(torch.nn.Module):
         return next(self.policy.parameters()).device
 
     def policy_parameters(self) -> list[torch.nn.Parameter]:
-        """Parameters of the policy (the trunk included when the critic shares it)."""
-        return list(self.policy.parameters())
+        """Trainable parameters of the policy (the trunk included when the critic shares it;
+        a LoRA policy's adapter only: its base is frozen)."""
+        return [p for p in self.policy.parameters() if p.requires_grad]
 
     def critic_parameters(self) -> list[torch.nn.Parameter]:
         """Parameters only the critic has."""
@@ -175,7 +177,7 @@ class ActorCritic(torch.nn.Module):
             params += list(self.value_head.parameters())
         if self.critic_backbone is not None:
             params += list(self.critic_backbone.parameters())
-        return params
+        return [p for p in params if p.requires_grad]
 
     def evaluate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                  need_values: bool = False, need_entropy: bool = False,
@@ -426,6 +428,8 @@ def minibatch_step(model: ActorCritic, optimizer: torch.optim.Optimizer, batch: 
     distributed = dist.is_available() and dist.is_initialized()
     if distributed:
         for parameter in model.parameters():
+            if not parameter.requires_grad:  # a LoRA policy's base
+                continue
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
             dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)

@@ -6,6 +6,7 @@ and gets one, options that only make sense together. Each refusal names the fiel
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING
 
 from tracerl.models.device import resolve_device
@@ -119,5 +120,23 @@ def validate(config: TrainConfig) -> None:
                 raise ValueError(f"rollout.{option}: decoding rules run in the local sampler; "
                                  f"rollout.engine {r.engine!r} applies none (turn it off, or use "
                                  "rollout.engine: local)")
+    _validate_lora(config)
     if config.dynamic.refill and not config.dynamic.filter_uniform:
         raise ValueError("dynamic.refill: refilling needs dynamic.filter_uniform: true")
+
+
+def _validate_lora(config: TrainConfig) -> None:
+    """``model.lora``'s values (checked whether or not it is on), and peft when it is."""
+    lora = config.model.lora
+    if lora.rank < 0:
+        raise ValueError(f"model.lora.rank: must be >= 0 (0: off), got {lora.rank}")
+    if not lora.alpha > 0:
+        raise ValueError(f"model.lora.alpha: must be > 0, got {lora.alpha}")
+    if not lora.target_modules or any(not name.strip() for name in lora.target_modules):
+        raise ValueError("model.lora.target_modules: must name at least one module, each "
+                         f"non-empty, got {list(lora.target_modules)}")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ValueError(f"model.lora.dropout: must be in [0, 1), got {lora.dropout}")
+    if lora.rank > 0 and importlib.util.find_spec("peft") is None:
+        raise ValueError("model.lora.rank: LoRA needs the peft package, which is not "
+                         "installed: pip install 'tracerl[lora]'")

@@ -103,7 +103,9 @@ class HFPolicy:
         self.max_batch_size = max_batch_size
         self.context_length: int | None = _model_context_length(model)
         """Longest sequence (prompt + completion) the model accepts; None if it declares none."""
-        forward_params = inspect.signature(model.forward).parameters
+        # A LoRA wrapper (peft) passes these keywords on to the model under it.
+        inner: Any = getattr(model, "get_base_model", lambda: model)()
+        forward_params = inspect.signature(inner.forward).parameters
         # transformers 5 renamed ``past_key_values`` to ``cache``; accept either.
         self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
         self._has_logits_to_keep = "logits_to_keep" in forward_params
@@ -125,8 +127,16 @@ class HFPolicy:
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> HFPolicy:
-        """Load a local directory (or a hub name, if the caller allows downloads) in float32."""
+        """Load a local directory (or a hub name, if the caller allows downloads) in float32;
+        a directory holding a LoRA adapter loads its base with the adapter merged in."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from tracerl.models.lora import is_adapter_dir
+
+        if is_adapter_dir(path):
+            from tracerl.models.tiny import load_tiny
+
+            return cls(*load_tiny(path), **kwargs)
 
         tokenizer = AutoTokenizer.from_pretrained(path)
         from tracerl.models.weights import check_finite_weights
