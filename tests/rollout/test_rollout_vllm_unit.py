@@ -136,8 +136,10 @@ def test_versions_are_written_once_each_and_pruned_to_the_newest(
     with pytest.raises(FileExistsError, match="written once"):
         write_version(model, weights, version_name(3, 1))
     (weights / ".partial-s00004-v000002").mkdir()  # what a run killed mid-write leaves
+    (weights / ".s00005-v000003.tmp").mkdir()  # the same of an adapter (save_adapter's name)
     removed = prune_versions(weights, 2, current=paths[-1])
-    assert sorted(p.name for p in removed) == [".partial-s00004-v000002", "s00001-v000000"]
+    assert sorted(p.name for p in removed) == [".partial-s00004-v000002",
+                                               ".s00005-v000003.tmp", "s00001-v000000"]
     assert sorted(p.name for p in weights.iterdir()) == ["s00002-v000001", "s00003-v000001"]
     with pytest.raises(ValueError, match="keep must be >= 1"):
         prune_versions(weights, 0)
@@ -278,3 +280,22 @@ def test_unreachable_server_ends_attempts_as_infrastructure_failures_stored_once
         assert attempt.reward is None  # never scored as the policy's failure
     stored = [a.attempt_id for a in read_attempts(tmp_path / "traces")]
     assert sorted(stored) == sorted(a.attempt_id for a in result.attempts)
+
+
+def test_the_server_command_carries_the_flags_the_sync_relies_on(tmp_path: Path) -> None:
+    config = VllmConfig(python="/opt/vllm/bin/python", max_model_len=512,
+                        extra_args="--gpu-memory-utilization 0.5")
+    full = VllmServer(config, tmp_path, tmp_path / "log", seed=3)
+    command = full.command()
+    assert command[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    for flag, value in (("--dtype", "float32"), ("--logprobs-mode", "processed_logprobs"),
+                        ("--seed", "3"), ("--max-model-len", "512"),
+                        ("--served-model-name", "policy")):
+        assert command[command.index(flag) + 1] == value
+    assert command[-2:] == ["--gpu-memory-utilization", "0.5"]
+    assert "--enable-lora" not in command
+    assert full.environment()["VLLM_SERVER_DEV_MODE"] == "1"
+    adapters = VllmServer(config, tmp_path, tmp_path / "log", lora_rank=8)
+    command = adapters.command()
+    assert command[command.index("--max-lora-rank") + 1] == "8" and "--enable-lora" in command
+    assert adapters.environment()["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"

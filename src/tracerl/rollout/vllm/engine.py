@@ -16,16 +16,24 @@
   does the policy stamp ``version`` on what it samples. Older version directories are
   deleted, ``vllm.keep_versions`` kept;
 - ``failure()`` after a collection: what happened when the server died under it.
+
+A LoRA policy (``model.lora``) syncs its adapter instead: the server starts on the adapter's
+base with ``--enable-lora``; each version's adapter is saved in PEFT's layout to its own
+directory, loaded with ``POST /v1/load_lora_adapter`` under a name of its own
+(``policy-sNNNNN-vVVVVVV``), the previous one unloaded (``/v1/unload_lora_adapter``), and
+requests name the current adapter; the probe runs against that name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from tracerl.models import lora
 from tracerl.rollout.policies.openai_api import OpenAIPolicy, OpenAIPolicyConfig
 from tracerl.rollout.vllm import probe
 from tracerl.rollout.vllm.config import VllmConfig
@@ -116,7 +124,7 @@ def prune_versions(directory: Path, keep: int, *, current: Path | None = None) -
     if not directory.is_dir():
         return []
     removed: list[Path] = []
-    for leftover in directory.glob(".partial-*"):
+    for leftover in [*directory.glob(".partial-*"), *directory.glob(".*.tmp")]:
         shutil.rmtree(leftover, ignore_errors=True)
         removed.append(leftover)
     versions = sorted(p for p in directory.iterdir() if p.is_dir() and p.name.startswith("s"))
@@ -144,7 +152,8 @@ class VllmEngine:
         """The policy version the server was last verified to serve."""
         self.syncs = 0
         self.probe: list[int] = []
-        self._previous_probe: list[float] | None = None
+        self.adapter: str | None = None
+        """The name of the LoRA adapter requests use (None: full weights)."""
 
     @property
     def base_url(self) -> str:
@@ -153,6 +162,11 @@ class VllmEngine:
             return self.server.base_url
         assert self.config.base_url is not None, "start() first"
         return self.config.base_url
+
+    @property
+    def served_name(self) -> str:
+        """The model name requests use: the current adapter's, or the served model's."""
+        return self.adapter or self.config.served_model
 
     @property
     def log_path(self) -> Path:
@@ -166,12 +180,19 @@ class VllmEngine:
         vocab = int(model.get_output_embeddings().weight.shape[0])
         self.probe = probe.probe_ids(vocab, config.probe_tokens, seed=self.seed)
         context = config.max_model_len or getattr(model.config, "max_position_embeddings", None)
+        adapter = lora.is_lora(model)
         if config.url is None:
             base = self.directory / "base"
-            shutil.rmtree(base, ignore_errors=True)
-            save_for_engine(model, base)
-            self.tokenizer.save_pretrained(base)
-            self.server = VllmServer(config, base, self.log_path, seed=self.seed).start()
+            rank = 0
+            if adapter:  # the server holds the base; each version's adapter is loaded
+                lora_config = model.peft_config["default"]
+                base, rank = Path(lora_config.base_model_name_or_path), int(lora_config.r)
+            else:
+                shutil.rmtree(base, ignore_errors=True)
+                save_for_engine(model, base)
+                self.tokenizer.save_pretrained(base)
+            self.server = VllmServer(config, base, self.log_path, seed=self.seed,
+                                     lora_rank=rank).start()
         else:
             self._check_serves_model()
         self.policy = OpenAIPolicy(
@@ -179,7 +200,7 @@ class VllmEngine:
                                timeout=config.request_seconds, engine="vllm",
                                context_length=int(context) if context else None),
             tokenizer=self.tokenizer, policy_version=version)
-        if config.url is None:  # it started on these very weights: verify, nothing to load
+        if config.url is None and not adapter:  # started on these weights: nothing to load
             started = time.perf_counter()
             result = self.verify(model, version)
             return {"sync_seconds": 0.0, "verify_seconds": time.perf_counter() - started,
@@ -201,9 +222,18 @@ class VllmEngine:
         started = time.perf_counter()
         self.syncs += 1
         weights = self.directory / "weights"
-        path = write_version(model, weights, version_name(self.syncs, version))
-        written = time.perf_counter()
-        self.load(path)
+        name = version_name(self.syncs, version)
+        if lora.is_lora(model):
+            path = weights / name
+            if path.exists():
+                raise FileExistsError(f"{path} exists: a weight version is written once")
+            lora.save_adapter(model, path)
+            written = time.perf_counter()
+            self.load_adapter(path, f"{self.config.served_model}-{name}")
+        else:
+            path = write_version(model, weights, name)
+            written = time.perf_counter()
+            self.load(path)
         loaded = time.perf_counter()
         result = self.verify(model, version)
         prune_versions(weights, self.config.keep_versions, current=path)
@@ -220,19 +250,32 @@ class VllmEngine:
                   timeout=timeout)
         post_json(self.base_url, "/reset_prefix_cache", timeout=timeout)
 
+    def load_adapter(self, path: Path, name: str) -> None:
+        """Have the server load the LoRA adapter in ``path`` as ``name``, unload the one
+        requests named so far, and name ``name`` in requests from now on."""
+        self._alive("loading an adapter")
+        timeout = self.config.request_seconds
+        post_json(self.base_url, "/v1/load_lora_adapter",
+                  {"lora_name": name, "lora_path": str(path.resolve())}, timeout=timeout)
+        previous, self.adapter = self.adapter, name
+        if previous is not None:
+            post_json(self.base_url, "/v1/unload_lora_adapter", {"lora_name": previous},
+                      timeout=timeout)
+        assert self.policy is not None
+        self.policy.config = dataclasses.replace(self.policy.config, model=name)
+
     def verify(self, model: Any, version: int) -> probe.ProbeResult:
         """The probe compared (SyncMismatch when the server does not serve ``model``); on
         success the policy stamps ``version`` from now on."""
         assert self.policy is not None
         self._alive("verifying the weights")
         expected = probe.trainer_logprobs(model, self.probe)
-        served = probe.server_logprobs(self.base_url, self.config.served_model, self.probe,
+        served = probe.server_logprobs(self.base_url, self.served_name, self.probe,
                                        timeout=self.config.request_seconds)
         result = probe.compare(expected, served, tolerance=self.config.probe_tolerance,
                                version=version)
         self.verified_version = version
         self.policy.policy_version = version
-        self._previous_probe = expected
         return result
 
     def _alive(self, doing: str) -> None:

@@ -103,7 +103,12 @@ def post_json(base_url: str, path: str, body: Any = None, *, timeout: float = 30
         raise EngineError(f"{base_url}{path} answered {error.code}: {detail}") from None
     except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
         raise EngineUnavailable(f"{base_url}{path}: no answer ({error})") from None
-    return json.loads(raw) if raw.strip() else None
+    if not raw.strip():
+        return None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:  # some endpoints answer plain text (load_lora_adapter)
+        return raw.decode("utf-8", errors="replace")
 
 
 def get_json(base_url: str, path: str, *, timeout: float = 10.0) -> Any:
