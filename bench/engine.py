@@ -14,7 +14,7 @@ server on the model (``rollout.vllm.VllmEngine``, as a training run does), then
   at temperature 1, once through the server and once through ``HFPolicy`` (batched, all
   prompts at once), and reports generated tokens per second of each.
 
-LoRA syncs are not measured here (the local engine has no LoRA adapters yet).
+LoRA syncs (``VllmEngine.sync`` of a ``model.lora`` policy) are not measured yet.
 
 Run: ``python bench/engine.py --python .engine-venv/bin/python`` (``make engine-env`` builds
 that environment; the server runs in it, this script in any environment with tracerl). Both
