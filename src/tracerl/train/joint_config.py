@@ -62,7 +62,7 @@ def validate_multiagent(config: Any) -> None:
                "dynamic.success_sampling": config.dynamic.success_sampling,
                "model.kind": config.model.kind != "tiny",
                "model.lora.rank": config.model.lora.rank > 0,
-               "rollout.engine": getattr(config.rollout, "engine", "local") != "local"}
+               "rollout.engine": config.rollout.engine != "local"}
     for name, used in refused.items():
         if used:
             raise ValueError(f"{name}: not available with multiagent.env "

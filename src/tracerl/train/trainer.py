@@ -63,6 +63,7 @@ from tracerl.train.algorithms import (
 from tracerl.train.average import WeightAverage
 from tracerl.train.config import TrainConfig
 from tracerl.train.demos import DemonstrationSet
+from tracerl.train.engine import RolloutEngine
 from tracerl.train.metrics import MetricsWriter, StepProgress
 from tracerl.train.sft import supervised_finetune
 from tracerl.train.update import (
@@ -111,7 +112,15 @@ class Trainer:
     # -- phases -----------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        """Run (or resume) the whole recipe; returns the summary written to ``summary.json``."""
+        """Run (or resume) the whole recipe; returns the summary written to ``summary.json``.
+        A vLLM server the run started is stopped however the run ends."""
+        try:
+            return self._run()
+        finally:
+            if hasattr(self, "engine"):  # what samples the attempts (``rollout.engine``)
+                self.engine.close()
+
+    def _run(self) -> dict[str, Any]:
         self.setup()
         if not self.lead:  # another torchrun rank: it only shares the updates (train/ranks.py)
             return self.follow()
@@ -235,6 +244,7 @@ class Trainer:
                                           for name, value in extra["ema"].items()},
                                          config.update.ema_decay)
         self.policy.policy_version = self.state.policy_version
+        self.engine = RolloutEngine(self)
         self.reference: ActorCritic | None = None
         if self.lead:
             self.store = TraceStore(self.run_dir / "traces", fsync=False)
@@ -281,12 +291,13 @@ class Trainer:
     # -- collect ------------------------------------------------------------------------------
 
     def collector(self, tasks: Sequence[Task], *, temperature: float, seed: int,
-                  store: TraceStore | None) -> Collector:
+                  store: TraceStore | None, policy: Any = None) -> Collector:
         """A collector over ``tasks`` with this run's budgets (``rollout.settings``'s
-        ``collector_config``, as every evaluation builds it)."""
+        ``collector_config``, as every evaluation builds it), sampling from ``policy`` (default:
+        the local one)."""
         config = collector_config(self.config.rollout, seed=seed, temperature=temperature)
-        policy: Any = self.policy  # HFPolicy satisfies the collector's SamplingPolicy
-        return Collector(policy, self.make_env_factory(tasks), store, config)
+        sampler: Any = policy or self.policy  # HFPolicy, OpenAIPolicy: SamplingPolicies
+        return Collector(sampler, self.make_env_factory(tasks), store, config)
 
     @contextlib.contextmanager
     def collecting_threads(self) -> Iterator[None]:
@@ -327,6 +338,7 @@ class Trainer:
         used: set[str] = set()
         seconds: dict[str, float] = defaultdict(float)
         reused = 0
+        policy = self.engine.policy()  # rollout.engine: vllm syncs and verifies here
         for round_index in range(1 + (dynamic.max_refills if dynamic.refill else 0)):
             missing = rollout.tasks_per_step - len({a.group_id for a in kept})
             if missing <= 0:
@@ -355,10 +367,12 @@ class Trainer:
             if fresh:
                 with self.collecting_threads():
                     result = self.collector(fresh, temperature=rollout.temperature,
-                                            seed=self.config.seed, store=self.store
+                                            seed=self.config.seed, store=self.store,
+                                            policy=policy
                                             ).collect(fresh, rollout.group_size,
-                                                      policy_version=self.policy.policy_version,
+                                                      policy_version=policy.policy_version,
                                                       run_id=run_id)
+                self.engine.check(result.attempts, step)
                 attempts.extend(result.attempts)
                 seconds["generation"] += result.generation_seconds
                 seconds["wall"] += result.wall_seconds
@@ -379,6 +393,8 @@ class Trainer:
                                                "filtered_all_one": filtered["all_one"],
                                                "rounds": len(used) and round_index + 1},
                                    "time": {"generation_seconds": seconds["generation"]}}
+        if engine := self.engine.metrics():
+            metrics["engine"] = engine
         return kept, spent, metrics
 
     # -- verify -------------------------------------------------------------------------------

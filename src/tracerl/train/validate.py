@@ -10,6 +10,7 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 from tracerl.models.device import resolve_device
+from tracerl.rollout.vllm.config import ENGINES
 from tracerl.train.algorithms import ESTIMATORS
 from tracerl.train.joint_config import validate_multiagent
 
@@ -112,6 +113,15 @@ def validate(config: TrainConfig) -> None:
         raise ValueError("model.path: a pretrained model needs a name or directory")
     if config.model.hidden_size % config.model.num_heads:
         raise ValueError("model.hidden_size: must be divisible by model.num_heads")
+    if r.engine not in ENGINES:
+        raise ValueError(f"rollout.engine: unknown {r.engine!r}; accepts "
+                         + ", ".join(repr(e) for e in ENGINES))
+    if r.engine != "local":
+        for option in ("constrain_edits", "constrain_calls"):
+            if getattr(r, option):
+                raise ValueError(f"rollout.{option}: decoding rules run in the local sampler; "
+                                 f"rollout.engine {r.engine!r} applies none (turn it off, or use "
+                                 "rollout.engine: local)")
     _validate_lora(config)
     if config.dynamic.refill and not config.dynamic.filter_uniform:
         raise ValueError("dynamic.refill: refilling needs dynamic.filter_uniform: true")

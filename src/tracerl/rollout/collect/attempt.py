@@ -20,6 +20,7 @@ from tracerl.rollout.collect.batching import GenerationBatcher
 from tracerl.rollout.collect.chat_tokens import ChatTokens
 from tracerl.rollout.collect.compaction import History, HistoryTurn
 from tracerl.rollout.collect.progress import CollectorProgress
+from tracerl.rollout.policies.openai_api import EndpointError
 from tracerl.trace.schema import (
     Attempt,
     AuditRecord,
@@ -190,6 +191,12 @@ class AttemptRunner:
                     self.batcher.generate(prompt, cap, _turn_seed(spec.seed, state.actions),
                                           rule),
                     remaining)
+            except EndpointError as error:
+                # The sampling server failed (unreachable, died, timed out, answered nonsense):
+                # infrastructure, never the policy's failure; checked before TimeoutError
+                # because a server's timeout is one too.
+                return _Ending(EndReason.TOOL_ERROR, list(state.pending), metadata={
+                    "error": _describe(error), "failed": "sampler"})
             except TimeoutError:
                 return _Ending(EndReason.TIMEOUT, list(state.pending), score=True)
             state.generation_seconds += time.perf_counter() - t0

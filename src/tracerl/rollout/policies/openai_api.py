@@ -13,7 +13,8 @@ which (unlike chat) accepts a prompt of token ids, and asks for
 Behavior logprobs are only the sampling distribution's if the server reports them so: start
 vLLM with ``--logprobs-mode processed_logprobs`` (its default reports the raw model
 distribution, before temperature/top-k/top-p). ``tracerl serve`` always reports processed
-logprobs. See ``docs/serving.md``.
+logprobs. At temperature 0 the policy records 0 (the point mass greedy decoding draws from)
+whatever the server reports: vLLM reports the log-softmax there. See ``docs/serving.md``.
 
 Failures are clear errors, never hangs: ``EndpointUnreachable`` (nothing listens, DNS),
 ``EndpointTimeout`` (no answer within ``timeout`` seconds), ``EndpointResponseError`` (an error
@@ -250,6 +251,12 @@ class OpenAIPolicy:
                 raise EndpointResponseError(f"logprob {value!r} at position {position} is not a "
                                             "log-probability (a finite number <= 0)")
             values.append(float(value))
+        if params.greedy:
+            # Greedy decoding draws from a point mass on the arg-max: its behavior logprob is 0,
+            # as HFPolicy records it. vLLM reports the model's log-softmax at temperature 0
+            # instead (the token's probability before the arg-max was taken), which is not the
+            # probability the token was sampled with.
+            values = [0.0] * len(values)
         finish = _get(choice, "finish_reason")
         if finish not in ("stop", "length"):
             raise EndpointResponseError(f"finish_reason {finish!r}: the server did not complete "

@@ -1,0 +1,133 @@
+"""The vLLM rollout engine against the local sampler: seconds per weight sync, and generated
+tokens per second on the same prompts.
+
+Claim: the cost of training through vLLM is the sync, and it is small next to collection; the
+anchor, measured in the same run, is what a run uses without vLLM: the local sampler
+(``HFPolicy``) on the same prompts with the same sampling settings.
+
+For each model size (the demo's tiny model, and one of about 100M parameters) it starts a vLLM
+server on the model (``rollout.vllm.VllmEngine``, as a training run does), then
+
+- syncs full weights ``--syncs`` times (each a new version: written, loaded with
+  ``reload_weights``, verified by the probe) and reports the median seconds of each part;
+- samples ``--prompts`` prompts of ``--prompt-tokens`` token ids, ``--new-tokens`` tokens each
+  at temperature 1, once through the server and once through ``HFPolicy`` (batched, all
+  prompts at once), and reports generated tokens per second of each.
+
+LoRA syncs (``VllmEngine.sync`` of a ``model.lora`` policy) are not measured yet.
+
+Run: ``python bench/engine.py --python .engine-venv/bin/python`` (``make engine-env`` builds
+that environment; the server runs in it, this script in any environment with tracerl). Both
+sides share the machine's cores: run it on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracerl.models.tiny import TinyModelConfig, build_tiny_model, count_parameters, train_tokenizer
+from tracerl.models.words import WORDS
+from tracerl.rollout import HFPolicy, SamplingParams
+from tracerl.rollout.vllm import VllmConfig, VllmEngine
+
+SIZES: dict[str, tuple[int, TinyModelConfig]] = {
+    "demo": (3072, TinyModelConfig(hidden_size=128, num_layers=3, num_heads=4,
+                                   intermediate_size=320, max_positions=1024)),
+    "100M": (8192, TinyModelConfig(hidden_size=768, num_layers=12, num_heads=12,
+                                   intermediate_size=2048, max_positions=1024)),
+}
+"""(vocabulary, shape) of each size: the demo's model (configs/demo.yaml) and ~100M."""
+
+CORPUS = ["def add(a, b):\n    return a + b\n", "Fix the bug in the function.",
+          "run_tests submit replace open_file"] * 20
+
+
+def measure(name: str, python: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    vocab, shape = SIZES[name]
+    tokenizer = train_tokenizer(CORPUS, vocab_size=vocab, words=WORDS)
+    model = build_tiny_model(tokenizer, shape, seed=0)
+    engine = VllmEngine(VllmConfig(python=python, max_model_len=shape.max_positions),
+                        root / name, tokenizer, seed=0)
+    started = time.perf_counter()
+    try:
+        engine.start(model, 0)
+        start_seconds = time.perf_counter() - started
+        parts: dict[str, list[float]] = {}
+        current = model
+        for version in range(1, args.syncs + 1):
+            current = copy.deepcopy(current)
+            with torch.no_grad():
+                for parameter in current.parameters():
+                    parameter.mul_(1.0 + 1e-3)
+            for key, value in engine.sync(current, version).items():
+                parts.setdefault(key, []).append(value)
+        generator = torch.Generator().manual_seed(0)
+        prompts = [[int(t) for t in torch.randint(3, int(model.config.vocab_size),
+                                                  (args.prompt_tokens,), generator=generator)]
+                   for _ in range(args.prompts)]
+        params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=0,
+                                stop_token_ids=())
+        assert engine.policy is not None
+        engine.policy.generate(prompts[:1], params)  # warm-up
+        t0 = time.perf_counter()
+        served = engine.policy.generate(prompts, params)
+        served_seconds = time.perf_counter() - t0
+    finally:
+        engine.close()
+    local = HFPolicy(current, tokenizer, max_batch_size=args.prompts)
+    local.generate(prompts[:1], params)  # warm-up
+    t0 = time.perf_counter()
+    sampled = local.generate(prompts, params)
+    local_seconds = time.perf_counter() - t0
+    served_tokens = sum(len(c.token_ids) for c in served)
+    local_tokens = sum(len(c.token_ids) for c in sampled)
+    return {
+        "model": name, "parameters": count_parameters(model),
+        "server_start_seconds": start_seconds,
+        **{f"{key}_median": statistics.median(values) for key, values in parts.items()},
+        "vllm_tokens_per_second": served_tokens / served_seconds,
+        "local_tokens_per_second": local_tokens / local_seconds,
+        "vllm_over_local": (served_tokens / served_seconds) / (local_tokens / local_seconds),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--python", default=".engine-venv/bin/python",
+                        help="the interpreter with vLLM (runs the server)")
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--syncs", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of this process (the local sampler)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for name in args.sizes:
+            rows.append(measure(name, args.python, args, Path(root)))
+            print(json.dumps(rows[-1]), flush=True)
+    print("\n| model | parameters | full sync s (write + load + verify) | vLLM tok/s | "
+          "local tok/s | vLLM / local |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        total = row["sync_seconds_median"] + row["verify_seconds_median"]
+        print(f"| {row['model']} | {row['parameters'] / 1e6:.1f}M | {total:.2f} "
+              f"({row['write_seconds_median']:.2f} + {row['load_seconds_median']:.2f} + "
+              f"{row['verify_seconds_median']:.2f}) | {row['vllm_tokens_per_second']:.0f} | "
+              f"{row['local_tokens_per_second']:.0f} | {row['vllm_over_local']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
