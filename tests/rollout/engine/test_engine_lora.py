@@ -23,14 +23,6 @@ from engine_models import tiny_model
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def moved(model: Any, seed: int) -> None:
     """Move every adapter weight (a training step would), in place."""
     generator = torch.Generator().manual_seed(seed)

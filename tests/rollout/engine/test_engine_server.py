@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tracerl.rollout import SamplingParams
 from tracerl.rollout.vllm import SyncMismatch, VllmConfig, VllmEngine, probe
@@ -20,15 +19,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine_models import perturbed, tiny_model
 
 pytestmark = pytest.mark.engine
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # The server's processes need the machine's cores more than the test's forward passes.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 class Served:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
 
 from tracerl.envs.tasks import Task
@@ -34,14 +33,6 @@ from engine_models import SHAPE, tiny_model  # noqa: E402
 from tiny_runs import OneCallEnv, OneCallTrainer  # noqa: E402
 
 pytestmark = pytest.mark.engine
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
