@@ -208,7 +208,8 @@ def test_interrupted_trainer_leaves_no_server(shared_server: VllmServer, tmp_pat
     # Ctrl-C: KeyboardInterrupt, the script exits 130; SIGTERM: the server manager's handler
     # stops the server and exits as the signal would (128 + 15).
     expected = 130 if signal_number == signal.SIGINT else 128 + signal_number
-    assert child.wait(60) == expected
+    # stop() is bounded (20 s of SIGTERM grace, then SIGKILL); the margin is for a busy machine.
+    assert child.wait(180) == expected
     assert live_members(group) == []
 
 
