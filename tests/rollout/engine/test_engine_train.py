@@ -179,9 +179,12 @@ def test_server_killed_mid_collection(policy_dir: Path, shared_server: VllmServe
 
 
 CTRL_C = """
-import sys, time
+import signal, sys, time
 from pathlib import Path
 from tracerl.rollout.vllm import VllmConfig, VllmServer
+# A terminal's Ctrl-C, even where this test's runner was started with SIGINT ignored (a shell's
+# background job), which a child process would otherwise inherit.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 server = VllmServer(VllmConfig(), Path(sys.argv[1]), Path(sys.argv[2]))
 try:
     server.start()
