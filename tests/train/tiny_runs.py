@@ -39,7 +39,7 @@ def tiny_recipe(root: Path, **changes: Any) -> Path:
     recipe = copy.deepcopy(TINY_RUN)
     for key, value in changes.items():
         if isinstance(value, dict):
-            recipe[key].update(value)
+            recipe.setdefault(key, {}).update(value)
         else:
             recipe[key] = value
     recipe["run_dir"] = str(root / "run")

@@ -31,6 +31,7 @@ from tracerl.core.losses import (
 from tracerl.core.probability import min_group_size_for_mixed, mixed_group_probability
 from tracerl.core.ratios import (
     ImportanceLevel,
+    ImportanceMode,
     mismatch_metrics,
     sequence_ratio,
     token_ratios,
@@ -41,6 +42,7 @@ __all__ = [
     "LOSS_MODES",
     "GroupReport",
     "ImportanceLevel",
+    "ImportanceMode",
     "KLEstimator",
     "LossMode",
     "SequenceRatio",

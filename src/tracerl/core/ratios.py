@@ -18,11 +18,15 @@ from tracerl.core._convert import as_float, as_mask, check_same_shape, kind_of, 
 
 __all__ = [
     "ImportanceLevel",
+    "ImportanceMode",
     "mismatch_metrics",
     "sequence_ratio",
     "token_ratios",
     "truncated_importance_weights",
 ]
+
+ImportanceMode = Literal["truncate", "mask"]
+"""What a weight above the cap becomes: the cap (``truncate``, TIS) or 0 (``mask``)."""
 
 ImportanceLevel = Literal["token", "sequence"]
 """Granularity of a truncated importance weight: ``token`` gives each token its own
@@ -75,27 +79,33 @@ def truncated_importance_weights(
     action_mask: Any,
     cap: float = 2.0,
     level: ImportanceLevel = "token",
+    mode: ImportanceMode = "truncate",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Truncated importance weights ``min(pi_old / pi_behavior, cap)`` for [B, T] tokens.
 
     Returns ``(weights, metrics)``: weights [B, T] (no gradient, zero off the mask) to multiply
     into a per-token loss, and :func:`mismatch_metrics`. At ``sequence`` level each row's
-    weight is the capped product of its token ratios (exp of the summed log-ratio).
+    weight is the capped product of its token ratios (exp of the summed log-ratio). With
+    ``mode="mask"`` a weight above ``cap`` becomes 0 instead of ``cap`` (the token leaves the
+    loss), as decoupled PPO's implementation in AReaL treats it.
     """
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
         raise ValueError(f"cap must be a positive number, got {cap!r}")
     if level not in ("token", "sequence"):
         raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+    if mode not in ("truncate", "mask"):
+        raise ValueError(f"mode must be 'truncate' or 'mask', got {mode!r}")
     old, behavior = _pair(old_logprobs, behavior_logprobs, "old_logprobs", "behavior_logprobs")
     old, behavior = old.detach(), behavior.detach()
     mask = as_mask(action_mask, "action_mask", shape=old.shape).to(old.device)
     maskf = mask.to(old.dtype)
     log_ratio = (old - behavior) * maskf
-    if level == "token":
-        weights = torch.exp(log_ratio).clamp(max=float(cap)) * maskf
+    raw = torch.exp(log_ratio) if level == "token" else torch.exp(log_ratio.sum(-1, keepdim=True))
+    if mode == "truncate":
+        capped = raw.clamp(max=float(cap))
     else:
-        per_row = torch.exp(log_ratio.sum(-1, keepdim=True)).clamp(max=float(cap))
-        weights = per_row * maskf
+        capped = torch.where(raw > float(cap), torch.zeros_like(raw), raw)
+    weights = capped * maskf
     metrics = mismatch_metrics(old, behavior, mask, cap=cap)
     return weights, metrics
 

@@ -27,6 +27,7 @@ import yaml
 
 from tracerl.rollout.settings import RolloutConfig
 from tracerl.rollout.vllm.config import VllmConfig
+from tracerl.train.async_config import AsyncConfig
 from tracerl.train.joint_config import MultiAgentConfig
 from tracerl.train.validate import validate
 
@@ -296,6 +297,9 @@ class UpdateConfig:
     tis_cap: float | None = None
     """Truncated importance sampling: weight tokens by ``min(pi_old / pi_behavior, cap)``;
     None: off."""
+    tis_mode: Literal["truncate", "mask"] = "truncate"
+    """With ``tis_cap``: ``truncate`` weights a token whose ratio exceeds the cap by the cap;
+    ``mask`` gives it weight 0 (it leaves the loss; the denominator is unchanged)."""
     ema_decay: float | None = None
     """Keep an exponential moving average of the policy's weights, started at the weights RL
     starts from (the warm start) and moved after every RL step:
@@ -370,6 +374,8 @@ class TrainConfig:
     """The vLLM server of ``rollout.engine: vllm``."""
     multiagent: MultiAgentConfig = field(default_factory=MultiAgentConfig)
     """Several agents in one task (off unless ``multiagent.env`` is set)."""
+    asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
+    """Collection running ahead of the update (off: ``max_staleness`` 0)."""
 
 
 # -- loading ---------------------------------------------------------------------------------

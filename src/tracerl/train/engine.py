@@ -36,14 +36,15 @@ class RolloutEngine:
         self.last_sync: dict[str, float] = {}
         """The latest sync's seconds and probe agreement (the step's ``engine`` metrics)."""
 
-    def policy(self) -> Any:
+    def policy(self, model: Any = None, version: int | None = None) -> Any:
         """The policy to sample the next collection with: the local one, or the server synced
-        to the trainer's current weights and verified (SyncMismatch otherwise)."""
+        to ``model`` at ``version`` (default: the trainer's current weights) and verified
+        (SyncMismatch otherwise)."""
         trainer = self.trainer
         if self.kind == "local":
             return trainer.policy
-        version = trainer.state.policy_version
-        model = trainer.actor.policy
+        version = trainer.state.policy_version if version is None else version
+        model = trainer.actor.policy if model is None else model
         if self.vllm is None:
             engine = VllmEngine(trainer.config.vllm, trainer.run_dir, trainer.tokenizer,
                                 seed=trainer.config.seed)

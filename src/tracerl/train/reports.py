@@ -1,16 +1,19 @@
 """Diagnostics of a step's packed batch, written with the step's metrics: each task's share of
 the loss weight with and without the attempts' fragments split (``segmentation``), and the
-critic's explained variance on the step's completed attempts (``critic``).
+critic's explained variance on the step's completed attempts (``critic``); the run's totals
+and its costs per solved attempt (``per_solved``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from tracerl.core import batch_gae, loss_weights
-from tracerl.trace import PackedBatch
+from tracerl.eval.summary import succeeded
+from tracerl.trace import Attempt, PackedBatch
 
 
 def segmentation_report(batch: PackedBatch, mode: Any, constant: float | None
@@ -60,3 +63,24 @@ def critic_report(batch: PackedBatch, old_values: torch.Tensor | None,
     return {"explained_variance_heldout": explained,
             "predicted_return_mean": float(predicted.mean()),
             "completed_return_mean": float(target.mean())}
+
+
+def add_totals(totals: dict[str, float], metrics: dict[str, Any], attempts: Sequence[Attempt],
+               wall_seconds: float) -> dict[str, float]:
+    """Add a finished step's costs to the run's ``totals`` (generated tokens, tool seconds,
+    groups dynamic sampling filtered, attempts that solved their task) and return the run's
+    costs so far per solved attempt: generated tokens, tool seconds and wall seconds
+    (``wall_seconds``: the run's RL time so far). Empty while nothing is solved."""
+    costs, dynamic = metrics.get("costs", {}), metrics.get("dynamic", {})
+    added = {"generated_tokens": costs.get("generated_tokens", 0.0),
+             "tool_seconds": costs.get("tool_seconds", 0.0),
+             "filtered_groups": (dynamic.get("filtered_all_zero", 0)
+                                 + dynamic.get("filtered_all_one", 0)),
+             "solved": sum(succeeded(a) for a in attempts)}
+    for key, value in added.items():
+        totals[key] = totals.get(key, 0.0) + float(value)
+    solved = totals["solved"]
+    if not solved:
+        return {}
+    return {"solved": solved, "generated_tokens": totals["generated_tokens"] / solved,
+            "tool_seconds": totals["tool_seconds"] / solved, "wall_seconds": wall_seconds / solved}

@@ -60,6 +60,7 @@ from tracerl.train.algorithms import (
     compute_advantages,
     group_outcome_metrics,
 )
+from tracerl.train.asynchronous import AsyncLoop
 from tracerl.train.average import WeightAverage
 from tracerl.train.config import TrainConfig
 from tracerl.train.demos import DemonstrationSet
@@ -134,43 +135,50 @@ class Trainer:
         self.before_turns = sampled.get("turns", 0) / max(sampled.get("attempts", 0), 1)
         with StepProgress(self.config.steps, enabled=self.config.progress,
                           done=self.state.step) as progress:
-            while ranks.share(self.state.step < self.config.steps and self.time_left_for_step()
-                              and self.tokens_left_for_step(), self.world_size, self.device):
+            if self.config.asynchronous.max_staleness:  # the worker collects ahead
+                AsyncLoop(self).run(progress)
+            while ranks.share(self.more_steps(), self.world_size, self.device):
                 step_started = time.perf_counter()
                 with self.phase("collect"):
                     attempts, collected, collect_metrics = self.collect(self.state.step)
-                with self.phase("verify"):
-                    batch, verify_metrics = self.verify(attempts, collected)
-                advantage_metrics: dict[str, Any] = {}
-                update_metrics: dict[str, Any] = {"update": {"skipped": True}}
-                if batch is not None:  # else every group was uniform: nothing to learn from
-                    with self.phase("advantages"):
-                        rows, advantage_metrics = self.advantages(batch)
-                ranks.share(None if batch is None else (rows, batch.attempt_index),
-                            self.world_size, self.device)
-                if batch is not None:
-                    with self.phase("update"):
-                        update_metrics = self.update(rows, batch.attempt_index)
-                metrics = {**collect_metrics, **verify_metrics, **advantage_metrics,
-                           **update_metrics}
-                if self.config.eval.every and (self.state.step + 1) % self.config.eval.every == 0:
-                    with self.phase("evaluate"):
-                        metrics["eval"] = self.evaluate(f"step{self.state.step + 1:05d}",
-                                                        steps=self.state.step + 1)["sampled"]
-                step_seconds = time.perf_counter() - step_started
-                self.finish_step(metrics, step_seconds)
-                progress.advance(f"reward {metrics['reward']['mean']:.2f}  "
-                                 f"{step_seconds:.0f}s/step")
+                self.train_step(attempts, collected, collect_metrics, step_started, progress)
         final = self.final_checkpoint()
         kind = heldout.policy_kind(self)
-        if self.ema is None:
-            policy_dir = self.save_policy(self.run_dir / POLICY_DIR)
-            after = heldout.evaluate_once(self, "after", steps=self.state.step, policy=kind)
-            return heldout.write_summary(self, before, after, policy_dir, final)
-        with self.ema.held_by(self.actor.policy):  # the run's policy: the average
+        with (contextlib.nullcontext() if self.ema is None  # update.ema_decay: the run's
+              else self.ema.held_by(self.actor.policy)):  # policy is the weight average
             policy_dir = self.save_policy(self.run_dir / POLICY_DIR)
             after = heldout.evaluate_once(self, "after", steps=self.state.step, policy=kind)
         return heldout.write_summary(self, before, after, policy_dir, final)
+
+    def more_steps(self) -> bool:
+        """Whether the run trains another step (steps, time and token budgets)."""
+        return (self.state.step < self.config.steps and self.time_left_for_step()
+                and self.tokens_left_for_step())
+
+    def train_step(self, attempts: list[Attempt], collected: list[Attempt],
+                   collect_metrics: dict[str, Any], step_started: float, progress: StepProgress
+                   ) -> None:
+        """Verify, advantages, update, evaluate and finish the step of ``collect``'s attempts."""
+        with self.phase("verify"):
+            batch, verify_metrics = self.verify(attempts, collected)
+        advantage_metrics: dict[str, Any] = {}
+        update_metrics: dict[str, Any] = {"update": {"skipped": True}}
+        if batch is not None:  # else every group was uniform: nothing to learn from
+            with self.phase("advantages"):
+                rows, advantage_metrics = self.advantages(batch)
+        ranks.share(None if batch is None else (rows, batch.attempt_index),
+                    self.world_size, self.device)
+        if batch is not None:
+            with self.phase("update"):
+                update_metrics = self.update(rows, batch.attempt_index)
+        metrics = {**collect_metrics, **verify_metrics, **advantage_metrics, **update_metrics}
+        if self.config.eval.every and (self.state.step + 1) % self.config.eval.every == 0:
+            with self.phase("evaluate"):
+                metrics["eval"] = self.evaluate(f"step{self.state.step + 1:05d}",
+                                                steps=self.state.step + 1)["sampled"]
+        step_seconds = time.perf_counter() - step_started
+        self.finish_step(metrics, step_seconds)
+        progress.advance(f"reward {metrics['reward']['mean']:.2f}  {step_seconds:.0f}s/step")
 
     def follow(self) -> dict[str, Any]:
         """The loop of a rank other than 0: take rank 0's weights, then for each step its
@@ -320,10 +328,11 @@ class Trainer:
                                    group_size=self.config.rollout.group_size,
                                    task_success=self.state.task_success)
 
-    def collect(self, step: int) -> tuple[list[Attempt], list[Attempt], dict[str, Any]]:
-        """Collect the step's groups, reusing complete groups a killed run already stored
-        (every member ended with an ending the step trains on; see
-        :func:`tracerl.train.groups.complete_group`).
+    def collect(self, step: int, policy: Any = None
+                ) -> tuple[list[Attempt], list[Attempt], dict[str, Any]]:
+        """Collect the step's groups with ``policy`` (default: ``rollout.engine``'s), reusing
+        complete groups a killed run already stored (every member ended with an ending the
+        step trains on; see :func:`tracerl.train.groups.complete_group`).
 
         Returns the attempts to train on (uniform groups left out when dynamic sampling filters
         them), every attempt the step produced (for outcomes and costs), and metrics."""
@@ -338,7 +347,7 @@ class Trainer:
         used: set[str] = set()
         seconds: dict[str, float] = defaultdict(float)
         reused = 0
-        policy = self.engine.policy()  # rollout.engine: vllm syncs and verifies here
+        policy = policy or self.engine.policy()  # rollout.engine: vllm syncs and verifies
         for round_index in range(1 + (dynamic.max_refills if dynamic.refill else 0)):
             missing = rollout.tasks_per_step - len({a.group_id for a in kept})
             if missing <= 0:
@@ -386,8 +395,6 @@ class Trainer:
                 kept.extend(members)
             if not dynamic.filter_uniform:
                 break
-        self.state.totals["filtered_groups"] = (self.state.totals.get("filtered_groups", 0.0)
-                                                + sum(filtered.values()))
         metrics: dict[str, Any] = {"dynamic": {"reused_groups": reused,
                                                "filtered_all_zero": filtered["all_zero"],
                                                "filtered_all_one": filtered["all_one"],
@@ -570,9 +577,8 @@ class Trainer:
         self.state.task_success = groups.task_success_estimates(
             self.state.task_success, self.last_attempts, prior=self.config.dynamic.success_prior,
             ema=self.config.dynamic.success_ema)
-        costs = metrics.get("costs", {})
-        for key in ("generated_tokens", "tool_seconds"):
-            self.state.totals[key] = self.state.totals.get(key, 0.0) + float(costs.get(key, 0.0))
+        metrics["per_solved"] = reports.add_totals(self.state.totals, metrics, self.last_attempts,
+                                                   self.state.elapsed_seconds + step_seconds)
         metrics.setdefault("time", {})["step_seconds"] = step_seconds
         metrics["policy_version"] = self.state.policy_version
         self.state.elapsed_seconds += step_seconds

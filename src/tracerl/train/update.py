@@ -350,7 +350,8 @@ def token_loss(model: ActorCritic, part: RowBatch, config: UpdateConfig, critic:
     weights = None
     if config.tis_cap is not None and bool(mask.any()):
         weights, tis = truncated_importance_weights(
-            part.old_logprobs, part.behavior_logprobs, mask, cap=config.tis_cap)
+            part.old_logprobs, part.behavior_logprobs, mask, cap=config.tis_cap,
+            mode=config.tis_mode)
         metrics.update(tis)
     advantages = part.advantages
     if config.loss_level == "token":

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from tracerl.models.device import resolve_device
 from tracerl.rollout.vllm.config import ENGINES
 from tracerl.train.algorithms import ESTIMATORS
+from tracerl.train.async_config import validate_async
 from tracerl.train.joint_config import validate_multiagent
 
 if TYPE_CHECKING:
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 def validate(config: TrainConfig) -> None:
     """Cross-field rules, checked once before any compute; ValueError names the fields."""
     validate_multiagent(config)
+    validate_async(config)
     r, a, c, u = config.rollout, config.algorithm, config.critic, config.update
     positive_ints = {
         "steps": config.steps, "checkpoint_every": config.checkpoint_every,

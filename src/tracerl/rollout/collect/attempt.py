@@ -360,6 +360,10 @@ class AttemptRunner:
                         engine=self.collector.engine)
         if state.faults:
             metadata["injected_faults"] = list(state.faults)
+        versions = {s.policy_version for f in fragments for t in f.turns for s in t.segments
+                    if s.role is Role.ACTION}
+        if len(versions) > 1:  # the weights changed between its turns (a partial rollout)
+            metadata["policy_versions"] = sorted(v for v in versions if v is not None)
         return Attempt(
             attempt_id=spec.attempt_id, task_id=spec.task_id, group_id=spec.group_id,
             fragments=tuple(fragments), reward=reward,
