@@ -50,6 +50,7 @@ from tracerl.trace import Attempt, Role
 from tracerl.train import groups
 
 if TYPE_CHECKING:
+    from tracerl.train.engine import RolloutEngine
     from tracerl.train.metrics import StepProgress
     from tracerl.train.trainer import Trainer
 
@@ -102,16 +103,19 @@ class WorkerWeights:
     """The worker's copy of the policy, the weights the learner published for it, and what
     samples from the copy (see the module docstring)."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        self.model: Any = copy.deepcopy(trainer.actor.policy)
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, version: int, *,
+                 max_batch_size: int, engine: RolloutEngine | None = None) -> None:
+        """A copy of ``model`` at ``version``; ``engine``: the vLLM engine to sync the copy
+        into (None: sample from the copy here, with an ``HFPolicy``)."""
+        self.model: Any = copy.deepcopy(model)
         self.model.requires_grad_(False)
-        self.version = trainer.state.policy_version
-        self.local = trainer.config.rollout.engine == "local"
+        self.version = version
+        self.engine = engine
+        self.local = engine is None
         self.policy: Any = None
         if self.local:
-            self.policy = HFPolicy(self.model, trainer.tokenizer, policy_version=self.version,
-                                   max_batch_size=trainer.config.rollout.concurrency)
+            self.policy = HFPolicy(self.model, tokenizer, policy_version=version,
+                                   max_batch_size=max_batch_size)
         self._lock = threading.Lock()
         self._published: tuple[int, dict[str, torch.Tensor]] | None = None
 
@@ -133,14 +137,15 @@ class WorkerWeights:
         if self.local:
             self.policy.policy_version = self.version
         else:
-            self.policy = self.trainer.engine.policy(self.model, self.version)
+            assert self.engine is not None
+            self.policy = self.engine.policy(self.model, self.version)
         return True
 
     def at_step_start(self) -> Any:
         """The sampler for a step's collection: the newest weights loaded; the vLLM server
         synced (or, when nothing changed, its weights verified again with the probe)."""
-        if not self.take() and not self.local:
-            self.policy = self.trainer.engine.policy(self.model, self.version)
+        if not self.take() and self.engine is not None:
+            self.policy = self.engine.policy(self.model, self.version)
         return self.policy
 
 
@@ -184,7 +189,11 @@ class AsyncLoop:
         self.trainer = trainer
         self.k = section.max_staleness
         self.stale = section.stale
-        self.weights = WorkerWeights(trainer)
+        local = trainer.config.rollout.engine == "local"
+        self.weights = WorkerWeights(trainer.actor.policy, trainer.tokenizer,
+                                     trainer.state.policy_version,
+                                     max_batch_size=trainer.config.rollout.concurrency,
+                                     engine=None if local else trainer.engine)
         self.sampler = StampedSampler(self.weights, section.weight_sync == "mid_attempt")
         self.changed = threading.Condition()
         self.finished = trainer.state.step
@@ -192,6 +201,8 @@ class AsyncLoop:
         self.ready: dict[int, Collection] = {}
         self.failure: BaseException | None = None
         self.stopping = False
+        self.collecting = -1
+        """The step whose collection the worker started last."""
         self.collector: Collector | None = None
         """The worker's latest collector (cancelled when the run stops)."""
         self.published = trainer.state.policy_version
@@ -303,6 +314,7 @@ class AsyncLoop:
                     if self.stopping:
                         return
                 self.weights.at_step_start()
+                self.collecting = step
                 started = time.perf_counter()
                 attempts, collected, metrics = trainer.collect(step, self.sampler)
                 got = Collection(step, attempts, collected, metrics, started,
