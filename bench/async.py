@@ -1,0 +1,147 @@
+"""Asynchronous training against synchronous: wall seconds per RL step, and held-out success.
+
+Claim (issue 41's target): with ``asynchronous.max_staleness`` k >= 1 an RL step takes about
+max(collection, update) instead of their sum, at a held-out success within the synchronous
+run's interval. The anchor, measured in the same invocation, is the synchronous run (k = 0)
+of the same recipe from the same warm start.
+
+Runs the recipe (default: the demo's, ``configs/demo.yaml``, shortened by ``--steps``,
+``--sft-steps`` and the overrides below) once synchronously, then once per k in
+``--staleness``; every run starts from the synchronous run's warm start and its evaluation
+before RL (both copied into the run's directory), with the same seed and step count, so the
+runs differ only in k (and in the thread settings below). Prints for each run the median step
+seconds (step 0 left out: nothing overlaps it), for the synchronous run its median
+collection and update seconds (the update: verify, advantages and the update phases), and for
+each asynchronous run the ratio of its step time to the synchronous step time and to
+max(collection, update) of the synchronous run; then ``tracerl compare``'s table (held-out
+success with its interval, generated tokens, tool and training seconds).
+
+Threads: torch has one intra-op thread count per process, so an asynchronous run cannot give
+its collection another count than its update (``rollout.threads`` is refused); the
+asynchronous runs use ``--async-threads`` for both, the synchronous run keeps the recipe's own
+settings (the demo: 2 for updates, 1 while collecting).
+
+Run: ``python bench/async.py`` (``--help`` for the knobs; ``--out`` is the runs' directory).
+Timings depend on the machine's load: run it on an otherwise idle machine, or say it was not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from tracerl.eval.compare import compare_runs, format_table
+from tracerl.train.config import load_config
+from tracerl.train.trainer import Trainer
+
+UPDATE_PHASES = ("verify", "advantages", "update")
+"""The learner's phases of a step (the update, in the claim's words)."""
+
+
+class PhaseClock:
+    """A trainer hook: seconds of each phase, per RL step (from ``Trainer.timings``)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, float] = defaultdict(float)
+        self.steps: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+
+    def __call__(self, phase: str, trainer: Trainer) -> None:
+        spent = trainer.timings[phase] - self.seen[phase]
+        self.seen[phase] = trainer.timings[phase]
+        if phase in ("collect", *UPDATE_PHASES):
+            self.steps[trainer.state.step][phase] += spent
+
+
+def run(config: Path, out: Path, overrides: list[str], warm_from: Path | None) -> dict[str, Any]:
+    """One run; with ``warm_from``, its warm start and evaluation before RL are copied first."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    if warm_from is not None:
+        shutil.copytree(warm_from / "sft", out / "sft")
+        for path in warm_from.glob("eval_before_*.json"):
+            shutil.copy2(path, out / path.name)
+        for path in (warm_from / "eval").glob("before-*"):
+            shutil.copytree(path, out / "eval" / path.name)
+    clock = PhaseClock()
+    started = time.perf_counter()
+    Trainer(load_config(config, [*overrides, f"run_dir={out}"]), hooks=[clock],
+            log=lambda line: print(f"  [{out.name}] {line}", flush=True)).run()
+    wall = time.perf_counter() - started
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "train"]
+    later = steps[1:] or steps
+    collect = [clock.steps[r["step"]]["collect"] for r in later]
+    update = [sum(clock.steps[r["step"]][p] for p in UPDATE_PHASES) for r in later]
+    result: dict[str, Any] = {
+        "run": out.name, "steps": len(steps), "wall_seconds": wall,
+        "step_seconds": statistics.median(r["time"]["step_seconds"] for r in later),
+        "collect_seconds": statistics.median(collect),
+        "update_seconds": statistics.median(update)}
+    if "async" in steps[-1]:
+        result["worker_collect_seconds"] = statistics.median(
+            r["async"]["collect_seconds"] for r in later)
+        result["overlap"] = statistics.median(r["async"]["overlap"] for r in later)
+        ages: Counter[int] = Counter()
+        for record in steps:
+            ages.update({int(k): int(v) for k, v in record["async"]["staleness_versions"].items()})
+        result["staleness"] = dict(sorted(ages.items()))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=Path("configs/demo.yaml"))
+    parser.add_argument("--out", type=Path, default=Path("runs/bench-async"))
+    parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2],
+                        help="the k of each asynchronous run (the synchronous one runs first)")
+    parser.add_argument("--steps", type=int, default=4, help="RL steps of every run")
+    parser.add_argument("--sft-steps", type=int, default=300, help="warm-start steps")
+    parser.add_argument("--tasks-per-step", type=int, default=6)
+    parser.add_argument("--eval-tasks", type=int, default=16, help="held-out tasks evaluated")
+    parser.add_argument("--eval-samples", type=int, default=4, help="samples per held-out task")
+    parser.add_argument("--async-threads", type=int, default=1,
+                        help="torch threads of the asynchronous runs (collection and update)")
+    parser.add_argument("--tis-cap", type=float, default=2.0,
+                        help="update.tis_cap of every run (decoupled PPO needs one)")
+    parser.add_argument("overrides", nargs="*", help="more KEY=VALUE overrides for every run")
+    args = parser.parse_args()
+
+    common = [f"steps={args.steps}", "max_seconds=null", f"sft.steps={args.sft_steps}",
+              "sft.max_seconds=null", f"rollout.tasks_per_step={args.tasks_per_step}",
+              f"eval.tasks={args.eval_tasks}", f"eval.samples_per_task={args.eval_samples}",
+              f"update.tis_cap={args.tis_cap}", "progress=false", "tensorboard=false",
+              *args.overrides]
+    results = [run(args.config, args.out / "sync", common, None)]
+    for k in args.staleness:
+        extra = [f"asynchronous.max_staleness={k}", f"threads={args.async_threads}",
+                 "rollout.threads=null"]
+        results.append(run(args.config, args.out / f"k{k}", [*common, *extra],
+                           args.out / "sync"))
+    sync = results[0]
+    bound = max(sync["collect_seconds"], sync["update_seconds"])
+    print(f"\nsynchronous: step {sync['step_seconds']:.1f}s = collection "
+          f"{sync['collect_seconds']:.1f}s + update {sync['update_seconds']:.1f}s "
+          f"(medians of steps 1-{sync['steps'] - 1}); max(collection, update) {bound:.1f}s")
+    for result in results[1:]:
+        print(f"{result['run']}: step {result['step_seconds']:.1f}s, "
+              f"{result['step_seconds'] / sync['step_seconds']:.2f}x the synchronous step, "
+              f"{result['step_seconds'] / bound:.2f}x max(collection, update); worker "
+              f"collection {result['worker_collect_seconds']:.1f}s, overlap "
+              f"{result['overlap']:.2f}, staleness {result['staleness']}")
+    rows, warnings = compare_runs([args.out / r["run"] for r in results])
+    print()
+    print(format_table(rows, markdown=True))
+    for warning in warnings:
+        print(f"note: {warning}")
+    (args.out / "bench.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
