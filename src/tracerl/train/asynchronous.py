@@ -314,6 +314,8 @@ class AsyncLoop:
                     if self.stopping:
                         return
                 self.weights.at_step_start()
+                if self.stopping:  # while the weights loaded (a vLLM sync takes a while)
+                    return
                 self.collecting = step
                 started = time.perf_counter()
                 attempts, collected, metrics = trainer.collect(step, self.sampler)
