@@ -13,13 +13,18 @@ runs differ only in k (and in the thread settings below). Prints for each run th
 seconds (step 0 left out: nothing overlaps it), for the synchronous run its median
 collection and update seconds (the update: verify, advantages and the update phases), and for
 each asynchronous run the ratio of its step time to the synchronous step time and to
-max(collection, update) of the synchronous run; then ``tracerl compare``'s table (held-out
-success with its interval, generated tokens, tool and training seconds).
+max(collection, update) of the synchronous run, and, in the same run step by step, the ratio
+of its step time to max(the worker's collection, the learner's update) and to their sum (the
+measure that machine load drifting between runs moves least); then ``tracerl compare``'s table
+(held-out success with its interval, generated tokens, tool and training seconds).
+``--warm-start RUN`` copies that run's warm start and evaluation before RL into every run
+instead of training one.
 
 Threads: torch has one intra-op thread count per process, so an asynchronous run cannot give
 its collection another count than its update (``rollout.threads`` is refused); the
 asynchronous runs use ``--async-threads`` for both, the synchronous run keeps the recipe's own
-settings (the demo: 2 for updates, 1 while collecting).
+settings (the demo: 2 for updates, 1 while collecting), or ``--async-threads`` as well with
+``--same-threads``.
 
 Run: ``python bench/async.py`` (``--help`` for the knobs; ``--out`` is the runs' directory).
 Timings depend on the machine's load: run it on an otherwise idle machine, or say it was not.
@@ -85,8 +90,14 @@ def run(config: Path, out: Path, overrides: list[str], warm_from: Path | None) -
         "collect_seconds": statistics.median(collect),
         "update_seconds": statistics.median(update)}
     if "async" in steps[-1]:
-        result["worker_collect_seconds"] = statistics.median(
-            r["async"]["collect_seconds"] for r in later)
+        worker = [r["async"]["collect_seconds"] for r in later]
+        result["worker_collect_seconds"] = statistics.median(worker)
+        # In the same run, step by step: the step against its own collection and update.
+        step_times = [r["time"]["step_seconds"] for r in later]
+        result["own_max_ratio"] = statistics.median(
+            t / max(c, u) for t, c, u in zip(step_times, worker, update, strict=True))
+        result["own_sum_ratio"] = statistics.median(
+            t / (c + u) for t, c, u in zip(step_times, worker, update, strict=True))
         result["overlap"] = statistics.median(r["async"]["overlap"] for r in later)
         ages: Counter[int] = Counter()
         for record in steps:
@@ -108,6 +119,11 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=4, help="samples per held-out task")
     parser.add_argument("--async-threads", type=int, default=1,
                         help="torch threads of the asynchronous runs (collection and update)")
+    parser.add_argument("--same-threads", action="store_true",
+                        help="the synchronous run uses --async-threads too (not the recipe's)")
+    parser.add_argument("--warm-start", type=Path, default=None,
+                        help="a run directory whose warm start (sft/) and evaluation before RL "
+                             "every run copies (default: the synchronous run's own)")
     parser.add_argument("--tis-cap", type=float, default=2.0,
                         help="update.tis_cap of every run (decoupled PPO needs one)")
     parser.add_argument("overrides", nargs="*", help="more KEY=VALUE overrides for every run")
@@ -118,12 +134,15 @@ def main() -> None:
               f"eval.tasks={args.eval_tasks}", f"eval.samples_per_task={args.eval_samples}",
               f"update.tis_cap={args.tis_cap}", "progress=false", "tensorboard=false",
               *args.overrides]
-    results = [run(args.config, args.out / "sync", common, None)]
+    threads = [f"threads={args.async_threads}", "rollout.threads=null"]
+    if args.warm_start is not None and args.warm_start.resolve() == (args.out / "sync").resolve():
+        parser.error("--warm-start: must not be the synchronous run's directory (it is rebuilt)")
+    results = [run(args.config, args.out / "sync", [*common, *threads] if args.same_threads
+                   else common, args.warm_start)]
     for k in args.staleness:
-        extra = [f"asynchronous.max_staleness={k}", f"threads={args.async_threads}",
-                 "rollout.threads=null"]
+        extra = [f"asynchronous.max_staleness={k}", *threads]
         results.append(run(args.config, args.out / f"k{k}", [*common, *extra],
-                           args.out / "sync"))
+                           args.warm_start or args.out / "sync"))
     sync = results[0]
     bound = max(sync["collect_seconds"], sync["update_seconds"])
     print(f"\nsynchronous: step {sync['step_seconds']:.1f}s = collection "
@@ -133,8 +152,11 @@ def main() -> None:
         print(f"{result['run']}: step {result['step_seconds']:.1f}s, "
               f"{result['step_seconds'] / sync['step_seconds']:.2f}x the synchronous step, "
               f"{result['step_seconds'] / bound:.2f}x max(collection, update); worker "
-              f"collection {result['worker_collect_seconds']:.1f}s, overlap "
-              f"{result['overlap']:.2f}, staleness {result['staleness']}")
+              f"collection {result['worker_collect_seconds']:.1f}s, update "
+              f"{result['update_seconds']:.1f}s, overlap {result['overlap']:.2f}, staleness "
+              f"{result['staleness']}; in the same run, step by step (median): "
+              f"{result['own_max_ratio']:.2f}x max(its collection, its update), "
+              f"{result['own_sum_ratio']:.2f}x their sum")
     rows, warnings = compare_runs([args.out / r["run"] for r in results])
     print()
     print(format_table(rows, markdown=True))
