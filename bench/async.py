@@ -63,13 +63,16 @@ class PhaseClock:
             self.steps[trainer.state.step][phase] += spent
 
 
-def run(config: Path, out: Path, overrides: list[str], warm_from: Path | None) -> dict[str, Any]:
-    """One run; with ``warm_from``, its warm start and evaluation before RL are copied first."""
+def run(config: Path, out: Path, overrides: list[str], warm_from: Path | None,
+        evaluation: bool = True) -> dict[str, Any]:
+    """One run; with ``warm_from``, its warm start (and with ``evaluation`` its evaluation
+    before RL) are copied first."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     if warm_from is not None:
         shutil.copytree(warm_from / "sft", out / "sft")
+    if warm_from is not None and evaluation:
         for path in warm_from.glob("eval_before_*.json"):
             shutil.copy2(path, out / path.name)
         for path in (warm_from / "eval").glob("before-*"):
@@ -124,6 +127,9 @@ def main() -> None:
     parser.add_argument("--warm-start", type=Path, default=None,
                         help="a run directory whose warm start (sft/) and evaluation before RL "
                              "every run copies (default: the synchronous run's own)")
+    parser.add_argument("--fresh-eval", action="store_true",
+                        help="every run evaluates before RL itself (with --warm-start: when "
+                             "the rollout settings differ from the warm start's run)")
     parser.add_argument("--tis-cap", type=float, default=2.0,
                         help="update.tis_cap of every run (decoupled PPO needs one)")
     parser.add_argument("overrides", nargs="*", help="more KEY=VALUE overrides for every run")
@@ -137,12 +143,13 @@ def main() -> None:
     threads = [f"threads={args.async_threads}", "rollout.threads=null"]
     if args.warm_start is not None and args.warm_start.resolve() == (args.out / "sync").resolve():
         parser.error("--warm-start: must not be the synchronous run's directory (it is rebuilt)")
+    copy_eval = not args.fresh_eval
     results = [run(args.config, args.out / "sync", [*common, *threads] if args.same_threads
-                   else common, args.warm_start)]
+                   else common, args.warm_start, copy_eval)]
     for k in args.staleness:
         extra = [f"asynchronous.max_staleness={k}", *threads]
         results.append(run(args.config, args.out / f"k{k}", [*common, *extra],
-                           args.warm_start or args.out / "sync"))
+                           args.warm_start or args.out / "sync", copy_eval))
     sync = results[0]
     bound = max(sync["collect_seconds"], sync["update_seconds"])
     print(f"\nsynchronous: step {sync['step_seconds']:.1f}s = collection "
