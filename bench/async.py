@@ -10,7 +10,8 @@ Runs the recipe (default: the demo's, ``configs/demo.yaml``, shortened by ``--st
 ``--staleness``; every run starts from the synchronous run's warm start and its evaluation
 before RL (both copied into the run's directory), with the same seed and step count, so the
 runs differ only in k (and in the thread settings below). Prints for each run the median step
-seconds (step 0 left out: nothing overlaps it), for the synchronous run its median
+seconds and their total (step 0 left out: nothing overlaps it, and a synchronous vLLM run
+starts its server in it), for the synchronous run its median
 collection and update seconds (the update: verify, advantages and the update phases), and for
 each asynchronous run the ratio of its step time to the synchronous step time and to
 max(collection, update) of the synchronous run, and, in the same run step by step, the ratio
@@ -90,6 +91,7 @@ def run(config: Path, out: Path, overrides: list[str], warm_from: Path | None,
     result: dict[str, Any] = {
         "run": out.name, "steps": len(steps), "wall_seconds": wall,
         "step_seconds": statistics.median(r["time"]["step_seconds"] for r in later),
+        "steps_total_seconds": sum(r["time"]["step_seconds"] for r in later),
         "collect_seconds": statistics.median(collect),
         "update_seconds": statistics.median(update)}
     if "async" in steps[-1]:
@@ -154,9 +156,12 @@ def main() -> None:
     bound = max(sync["collect_seconds"], sync["update_seconds"])
     print(f"\nsynchronous: step {sync['step_seconds']:.1f}s = collection "
           f"{sync['collect_seconds']:.1f}s + update {sync['update_seconds']:.1f}s "
-          f"(medians of steps 1-{sync['steps'] - 1}); max(collection, update) {bound:.1f}s")
+          f"(medians of steps 1-{sync['steps'] - 1}); max(collection, update) {bound:.1f}s; "
+          f"steps 1-{sync['steps'] - 1} took {sync['steps_total_seconds']:.0f}s in all")
     for result in results[1:]:
-        print(f"{result['run']}: step {result['step_seconds']:.1f}s, "
+        total = result["steps_total_seconds"] / sync["steps_total_seconds"]
+        print(f"{result['run']}: steps 1-{result['steps'] - 1} {result['steps_total_seconds']:.0f}s "
+              f"in all, {total:.2f}x the synchronous run's; median step {result['step_seconds']:.1f}s, "
               f"{result['step_seconds'] / sync['step_seconds']:.2f}x the synchronous step, "
               f"{result['step_seconds'] / bound:.2f}x max(collection, update); worker "
               f"collection {result['worker_collect_seconds']:.1f}s, update "
