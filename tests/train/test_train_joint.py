@@ -17,11 +17,12 @@ from tracerl.envs.multi import MultiStep
 from tracerl.envs.referential import LISTENER, SPEAKER, ReferentialGame
 from tracerl.eval.compare import compare_runs
 from tracerl.rollout.collect.joint import JointAttempt
-from tracerl.trace import Role, pack
+from tracerl.trace import Role, pack, read_attempts
 from tracerl.train import joint as joint_module
 from tracerl.train.config import TrainConfig, config_from_dict, load_config
 from tracerl.train.joint import JointTrainer
 from tracerl.train.joint_critic import joint_sequence
+from tracerl.train.joint_eval import load_joint_run
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -135,6 +136,47 @@ def test_the_referential_recipe_runs_through_tracerl_train(tmp_path: Path) -> No
     assert row.generated_tokens == summary["generated_tokens"] and row.success is not None
 
 
+def test_tracerl_eval_of_a_joint_run_reproduces_its_summary(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``tracerl eval --policy RUN`` evaluates the run's saved policies together, as the run's
+    own evaluation after RL did: same joint success, interval and greedy success."""
+    overrides = [f"run_dir={tmp_path / 'run'}", "steps=2", "eval.samples_per_task=4",
+                 "rollout.group_size=4"]
+    assert run(["train", str(CONFIGS / "referential.yaml"), *overrides]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    out = tmp_path / "eval.json"
+    assert run(["eval", "--policy", str(tmp_path / "run"), "--samples", "4",
+                "--store", str(tmp_path / "store"), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["success"] == summary["heldout_success_after"]
+    assert result["ci95"] == summary["heldout_ci95_after"]
+    assert result["greedy"] == summary["heldout_greedy_after"]
+    assert result["attempts"] == 4 * result["tasks"] == 8  # the two-item game: two rounds
+    assert sum(t["successes"] for t in result["per_task"].values()) == 8 * result["success"]
+    assert set(result["generated_tokens"]) == {SPEAKER, LISTENER}
+    assert {p["version"] for p in result["policies"].values()} == {2}
+    assert "joint success" in capsys.readouterr().out
+    records = read_attempts(tmp_path / "store")
+    assert len(records) == 16 and {r.metadata["agent"] for r in records} == {SPEAKER, LISTENER}
+    assert {s.policy_version for r in records for t in r.fragments[0].turns
+            for s in t.segments if s.role is Role.ACTION} == {2}
+    # The policies evaluated are the saved ones, not the run's fresh initialisation.
+    loaded = load_joint_run(tmp_path / "run")
+    fresh = JointTrainer(load_config(tmp_path / "run" / "config.yaml"))
+    for name, policy in loaded.policies.items():
+        weights = policy.sampler.model.state_dict()
+        initial = fresh.policies[name].actor.policy.state_dict()
+        assert any(not torch.equal(weights[k], initial[k]) for k in initial)
+    # The run's policy directory names the run too; one agent's policy alone does not.
+    assert run(["eval", "--policy", str(tmp_path / "run" / "policy"), "--samples", "1"]) == 0
+    capsys.readouterr()
+    for argv, message in (([str(tmp_path / "run" / "policy" / SPEAKER)], "one policy of"),
+                          ([str(tmp_path / "run"), "--top-p", "0.9"], "--top-p: not available"),
+                          ([str(tmp_path / "run"), "--tasks", "x.jsonl"], "leave --tasks out")):
+        assert run(["eval", "--policy", *argv, "--samples", "1"]) == 2
+        assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("recipe", ["referential", "coding_pair"])
 def test_every_multiagent_recipe_leaves_room_for_a_turn(recipe: str, tmp_path: Path) -> None:
     config = load_config(CONFIGS / f"{recipe}.yaml", [f"run_dir={tmp_path / 'run'}"])
@@ -211,3 +253,10 @@ def test_the_coding_pair_runs_through_tracerl_train(tmp_path: Path) -> None:
     metrics = json.loads((tmp_path / "pair" / "metrics.jsonl").read_text().splitlines()[0])
     assert sum(metrics["joint"]["endings"].values()) == 4
     assert set(metrics["joint"]["actions"]) == {"tester", "fixer"}
+    out = tmp_path / "eval.json"  # and through tracerl eval: the run's held-out task, together
+    assert run(["eval", "--policy", str(tmp_path / "pair"), "--samples", "2",
+                "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["tasks"], result["attempts"]) == (1, 2)
+    assert result["multiagent"]["env"] == "coding_pair" and 0.0 <= result["success"] <= 1.0
+    assert sum(result["by_ending"].values()) == 2
