@@ -15,7 +15,7 @@ import torch
 from tracerl.cli import main as run
 from tracerl.envs.multi import MultiStep
 from tracerl.envs.referential import LISTENER, SPEAKER, ReferentialGame
-from tracerl.eval.compare import compare_runs
+from tracerl.eval.compare import compare_runs, format_table
 from tracerl.rollout.collect.joint import JointAttempt
 from tracerl.trace import Role, pack, read_attempts
 from tracerl.train import joint as joint_module
@@ -134,6 +134,9 @@ def test_the_referential_recipe_runs_through_tracerl_train(tmp_path: Path) -> No
     (row,), _ = compare_runs([tmp_path / "run"])
     assert (row.estimator, row.critic) == ("grpo (separate weights)", "none")
     assert row.generated_tokens == summary["generated_tokens"] and row.success is not None
+    shifts = metrics[0]["nonstationarity"]["others_shift"]  # one step: its mean over agents
+    assert row.others_shift == pytest.approx(sum(shifts.values()) / 2) and row.others_shift > 0
+    assert "others' shift/step" in format_table([row])
 
 
 def test_tracerl_eval_of_a_joint_run_reproduces_its_summary(
