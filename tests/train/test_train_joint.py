@@ -82,6 +82,22 @@ def test_an_agents_update_never_includes_another_agents_tokens(tmp_path: Path) -
     assert any(not torch.equal(a[k], before[k]) for k in a)  # and the update did something
 
 
+def test_a_step_with_nothing_to_learn_from_leaves_the_weights_alone(tmp_path: Path) -> None:
+    """Every group uniform (each joint attempt at a round scored alike): no update, as in the
+    single-agent trainer. An optimizer step on zero gradients would still move the weights by
+    Adam's momentum from the steps before, with no advantage to pull them back."""
+    trainer = JointTrainer(_config(tmp_path))
+    trainer.train_step(trainer.collect(0))  # momentum from a step with something to learn
+    policy = trainer.policies[SPEAKER]
+    attempts = [dataclasses.replace(a, reward=1.0)
+                for a in trainer.policy_attempts(trainer.collect(1), SPEAKER)]
+    before = {k: v.clone() for k, v in policy.actor.policy.state_dict().items()}
+    result = trainer.update_policy(policy, attempts, None)
+    assert result["update"] == {"skipped": 1.0} and result["shift"] == {SPEAKER: 0.0}
+    after = policy.actor.policy.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_the_centralized_critic_reads_the_joint_context_and_the_actors_do_not(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     trainer = JointTrainer(_config(tmp_path, critic="centralized"))

@@ -294,6 +294,11 @@ class JointTrainer:
                 batch, per_turn,
                 {i: str(by_id[i].metadata["joint"]["id"]) for i in batch.attempt_ids},
                 {i: str(by_id[i].metadata["agent"]) for i in batch.attempt_ids})
+        if update.entropy_coef == 0 and not bool((advantages * batch.action_mask).any()):
+            # Nothing to learn from (every group uniform), as the single-agent trainer skips
+            # it: an optimizer step on zero gradients would still move the weights (Adam's
+            # momentum), with no advantage to pull them back.
+            return {"update": {"skipped": 1.0}, "shift": {a: 0.0 for a in policy.agents}}
         rows = dataclasses.replace(rows, advantages=advantages)
         metrics = ppo_update(policy.actor, policy.optimizer, rows, batch.attempt_index, update,
                              CriticConfig(), self.generator)
