@@ -296,3 +296,9 @@ def test_the_coding_pair_runs_through_tracerl_train(tmp_path: Path) -> None:
     assert (result["tasks"], result["attempts"]) == (1, 2)
     assert result["multiagent"]["env"] == "coding_pair" and 0.0 <= result["success"] <= 1.0
     assert sum(result["by_ending"].values()) == 2
+    tasks = tmp_path / "tasks.jsonl"  # or the pair on the tasks of a task file
+    assert run(["tasks", "export", "--split", "heldout", "--count", "1", "--out", str(tasks)]) == 0
+    assert run(["eval", "--policy", str(tmp_path / "pair"), "--samples", "1", "--tasks",
+                str(tasks), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["tasks"], result["attempts"], result["tasks_file"]) == (1, 1, str(tasks))

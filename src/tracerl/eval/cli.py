@@ -104,11 +104,6 @@ def _eval(args: argparse.Namespace) -> int:
     for old_flag, new_flag in RENAMED_FLAGS.items():
         if getattr(args, old_flag.strip("-").replace("-", "_"), None) is not None:
             raise ValueError(f"{old_flag}: renamed; use {new_flag}")
-    from tracerl.train.joint_eval import joint_run_dir
-
-    run_dir = joint_run_dir(args.policy)
-    if run_dir is not None:
-        return _eval_joint(args, run_dir)
     if args.tasks is None:
         raise ValueError("--tasks: required to evaluate one policy (a JSON-lines task file)")
     if not Path(args.tasks).is_file():
@@ -133,35 +128,6 @@ def _eval(args: argparse.Namespace) -> int:
                             progress=args.progress)
     result["tasks_file"] = str(args.tasks)
     print(format_result(result))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n",
-                                       encoding="utf-8")
-    return 0
-
-
-JOINT_REFUSED = {"--top-p": "top_p", "--top-k": "top_k", "--max-attempt-tokens":
-                 "max_attempt_tokens", "--max-seconds": "max_seconds", "--judge": "judge",
-                 "--training-judge": "training_judge", "--inject-faults": "inject_faults",
-                 "--inject-infrastructure-faults": "inject_infrastructure_faults",
-                 "--unsafe-no-sandbox": "unsafe_no_sandbox", "--progress": "progress"}
-"""Flags of ``tracerl eval`` that a multi-agent run's evaluation does not use (refused)."""
-
-
-def _eval_joint(args: argparse.Namespace, run_dir: Path) -> int:
-    """``tracerl eval`` of a multi-agent run: its policies together, joint success."""
-    from tracerl.train.joint_eval import evaluate_joint_run, format_joint_result
-
-    for flag, name in JOINT_REFUSED.items():
-        if getattr(args, name) not in (None, False, 0.0):
-            raise ValueError(f"{flag}: not available for a multi-agent run "
-                             f"({str(run_dir)!r}); leave it out")
-    if args.device not in ("auto", "cpu"):
-        raise ValueError(f"--device {args.device!r}: a multi-agent run is evaluated on the CPU")
-    result = evaluate_joint_run(run_dir, samples=args.samples, temperature=args.temperature,
-                                seed=args.seed, max_turns=args.max_turns,
-                                max_turn_tokens=args.max_turn_tokens, tasks_file=args.tasks,
-                                store_dir=args.store)
-    print(format_joint_result(result))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n",
                                        encoding="utf-8")
