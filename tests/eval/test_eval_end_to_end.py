@@ -267,6 +267,9 @@ def test_a_checkpoint_that_does_not_load_says_why(task_file: Path, tmp_path: Pat
                      "--samples", "1"])
         error = capsys.readouterr().err
         assert code == 2 and reason in error, error
+    code = main(["eval", "--policy", str(empty), "--samples", "1"])  # one policy: tasks needed
+    error = capsys.readouterr().err
+    assert code == 2 and "--tasks: required to evaluate one policy" in error, error
 
 
 def test_export_of_the_heldout_split_is_accepted_by_the_cli(tmp_path: Path) -> None:

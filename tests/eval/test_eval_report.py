@@ -109,6 +109,7 @@ def test_compare_reports_budgets_and_flags_unmatched_ones(tmp_path: Path) -> Non
     assert not [w for w in warnings if "matched-budget" in w]
     table = format_table(rows)
     assert "0.450 [0.300, 0.600]" in table and "grpo" in table
+    assert "shift" not in table  # the other agents' shift: a column of multi-agent runs only
     # Without a store, the metrics are the source.
     costly = make_run(tmp_path / "ppo8", estimator="gae", critic="value_head", steps=4, seed=2,
                       tokens_per_attempt=80)

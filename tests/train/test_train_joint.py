@@ -15,13 +15,14 @@ import torch
 from tracerl.cli import main as run
 from tracerl.envs.multi import MultiStep
 from tracerl.envs.referential import LISTENER, SPEAKER, ReferentialGame
-from tracerl.eval.compare import compare_runs
+from tracerl.eval.compare import compare_runs, format_table
 from tracerl.rollout.collect.joint import JointAttempt
-from tracerl.trace import Role, pack
+from tracerl.trace import Role, pack, read_attempts
 from tracerl.train import joint as joint_module
 from tracerl.train.config import TrainConfig, config_from_dict, load_config
 from tracerl.train.joint import JointTrainer
 from tracerl.train.joint_critic import joint_sequence
+from tracerl.train.joint_eval import load_joint_run
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -81,6 +82,22 @@ def test_an_agents_update_never_includes_another_agents_tokens(tmp_path: Path) -
     assert any(not torch.equal(a[k], before[k]) for k in a)  # and the update did something
 
 
+def test_a_step_with_nothing_to_learn_from_leaves_the_weights_alone(tmp_path: Path) -> None:
+    """Every group uniform (each joint attempt at a round scored alike): no update, as in the
+    single-agent trainer. An optimizer step on zero gradients would still move the weights by
+    Adam's momentum from the steps before, with no advantage to pull them back."""
+    trainer = JointTrainer(_config(tmp_path))
+    trainer.train_step(trainer.collect(0))  # momentum from a step with something to learn
+    policy = trainer.policies[SPEAKER]
+    attempts = [dataclasses.replace(a, reward=1.0)
+                for a in trainer.policy_attempts(trainer.collect(1), SPEAKER)]
+    before = {k: v.clone() for k, v in policy.actor.policy.state_dict().items()}
+    result = trainer.update_policy(policy, attempts, None)
+    assert result["update"] == {"skipped": 1.0} and result["shift"] == {SPEAKER: 0.0}
+    after = policy.actor.policy.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_the_centralized_critic_reads_the_joint_context_and_the_actors_do_not(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     trainer = JointTrainer(_config(tmp_path, critic="centralized"))
@@ -133,6 +150,50 @@ def test_the_referential_recipe_runs_through_tracerl_train(tmp_path: Path) -> No
     (row,), _ = compare_runs([tmp_path / "run"])
     assert (row.estimator, row.critic) == ("grpo (separate weights)", "none")
     assert row.generated_tokens == summary["generated_tokens"] and row.success is not None
+    shifts = metrics[0]["nonstationarity"]["others_shift"]  # one step: its mean over agents
+    assert row.others_shift == pytest.approx(sum(shifts.values()) / 2) and row.others_shift > 0
+    assert "others' shift/step" in format_table([row])
+
+
+def test_tracerl_eval_of_a_joint_run_reproduces_its_summary(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``tracerl eval --policy RUN`` evaluates the run's saved policies together, as the run's
+    own evaluation after RL did: same joint success, interval and greedy success."""
+    overrides = [f"run_dir={tmp_path / 'run'}", "steps=2", "eval.samples_per_task=4",
+                 "rollout.group_size=4"]
+    assert run(["train", str(CONFIGS / "referential.yaml"), *overrides]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    out = tmp_path / "eval.json"
+    assert run(["eval", "--policy", str(tmp_path / "run"), "--samples", "4",
+                "--store", str(tmp_path / "store"), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["success"] == summary["heldout_success_after"]
+    assert result["ci95"] == summary["heldout_ci95_after"]
+    assert result["greedy"] == summary["heldout_greedy_after"]
+    assert result["attempts"] == 4 * result["tasks"] == 8  # the two-item game: two rounds
+    assert sum(t["successes"] for t in result["per_task"].values()) == 8 * result["success"]
+    assert set(result["generated_tokens"]) == {SPEAKER, LISTENER}
+    assert {p["version"] for p in result["policies"].values()} == {2}
+    assert "joint success" in capsys.readouterr().out
+    records = read_attempts(tmp_path / "store")
+    assert len(records) == 16 and {r.metadata["agent"] for r in records} == {SPEAKER, LISTENER}
+    assert {s.policy_version for r in records for t in r.fragments[0].turns
+            for s in t.segments if s.role is Role.ACTION} == {2}
+    # The policies evaluated are the saved ones, not the run's fresh initialisation.
+    loaded = load_joint_run(tmp_path / "run")
+    fresh = JointTrainer(load_config(tmp_path / "run" / "config.yaml"))
+    for name, policy in loaded.policies.items():
+        weights = policy.sampler.model.state_dict()
+        initial = fresh.policies[name].actor.policy.state_dict()
+        assert any(not torch.equal(weights[k], initial[k]) for k in initial)
+    # The run's policy directory names the run too; one agent's policy alone does not.
+    assert run(["eval", "--policy", str(tmp_path / "run" / "policy"), "--samples", "1"]) == 0
+    capsys.readouterr()
+    for argv, message in (([str(tmp_path / "run" / "policy" / SPEAKER)], "one policy of"),
+                          ([str(tmp_path / "run"), "--top-p", "0.9"], "--top-p: not available"),
+                          ([str(tmp_path / "run"), "--tasks", "x.jsonl"], "leave --tasks out")):
+        assert run(["eval", "--policy", *argv, "--samples", "1"]) == 2
+        assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("recipe", ["referential", "coding_pair"])
@@ -198,6 +259,23 @@ def test_the_listener_learns_a_speakers_protocol_in_a_short_run(tmp_path: Path) 
 
 
 @pytest.mark.slow
+def test_both_agents_learn_the_game_from_scratch_in_a_short_run(tmp_path: Path) -> None:
+    """The recipe's speaker and listener, both learning from their random initialisation,
+    agree on a protocol: joint success rises from chance (0.5) to at least 0.9 within 40
+    steps, and both policies moved; with an update that did nothing it would stay at chance."""
+    config = load_config(CONFIGS / "referential.yaml", [f"run_dir={tmp_path / 'run'}"])
+    trainer = JointTrainer(config)
+    success, moved = [], set()
+    for step in range(40):
+        record = trainer.train_step(trainer.collect(step))
+        success.append(record["joint"]["success"])
+        moved |= {a for a, v in record["nonstationarity"]["policy_shift"].items() if v > 0}
+    assert sum(success[:2]) / 2 <= 0.7, success
+    assert moved == {SPEAKER, LISTENER}
+    assert sum(success[-5:]) / 5 >= 0.9, success
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 def test_the_coding_pair_runs_through_tracerl_train(tmp_path: Path) -> None:
     overrides = [f"run_dir={tmp_path / 'pair'}", "steps=1", "tasks.train_count=2",
@@ -211,3 +289,16 @@ def test_the_coding_pair_runs_through_tracerl_train(tmp_path: Path) -> None:
     metrics = json.loads((tmp_path / "pair" / "metrics.jsonl").read_text().splitlines()[0])
     assert sum(metrics["joint"]["endings"].values()) == 4
     assert set(metrics["joint"]["actions"]) == {"tester", "fixer"}
+    out = tmp_path / "eval.json"  # and through tracerl eval: the run's held-out task, together
+    assert run(["eval", "--policy", str(tmp_path / "pair"), "--samples", "2",
+                "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["tasks"], result["attempts"]) == (1, 2)
+    assert result["multiagent"]["env"] == "coding_pair" and 0.0 <= result["success"] <= 1.0
+    assert sum(result["by_ending"].values()) == 2
+    tasks = tmp_path / "tasks.jsonl"  # or the pair on the tasks of a task file
+    assert run(["tasks", "export", "--split", "heldout", "--count", "1", "--out", str(tasks)]) == 0
+    assert run(["eval", "--policy", str(tmp_path / "pair"), "--samples", "1", "--tasks",
+                str(tasks), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["tasks"], result["attempts"], result["tasks_file"]) == (1, 1, str(tasks))

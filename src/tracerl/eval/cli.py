@@ -19,9 +19,13 @@ RENAMED_FLAGS = {"--max-new-tokens": "--max-attempt-tokens",
 def register(subparsers: Any) -> None:
     """Add the ``eval``, ``report`` and ``compare`` subcommands."""
     ev = subparsers.add_parser(
-        "eval", help="fixed-budget evaluation of a policy on a task file (hidden tests)")
-    ev.add_argument("--policy", required=True, help="checkpoint directory (save_pretrained)")
-    ev.add_argument("--tasks", required=True, help="JSON-lines task file")
+        "eval", help="fixed-budget evaluation of a policy on a task file (hidden tests), or "
+                     "of a multi-agent run's policies together (joint success)")
+    ev.add_argument("--policy", required=True,
+                    help="checkpoint directory (save_pretrained), or a multi-agent run's "
+                         "directory (its agents are evaluated together on its held-out tasks)")
+    ev.add_argument("--tasks", default=None,
+                    help="JSON-lines task file (a multi-agent run: default its held-out tasks)")
     ev.add_argument("--samples", type=int, required=True, help="attempts per task (K of pass@k)")
     ev.add_argument("--temperature", type=float, default=None,
                     help="0 = greedy (default: the policy's run's, else 1)")
@@ -40,7 +44,8 @@ def register(subparsers: Any) -> None:
     for old_flag in RENAMED_FLAGS:
         ev.add_argument(old_flag, dest=old_flag.strip("-").replace("-", "_"), default=None,
                         help=argparse.SUPPRESS)
-    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--seed", type=int, default=None,
+                    help="default 0 (a multi-agent run: the run's seed)")
     ev.add_argument("--device", default="auto",
                     help="cpu, cuda, cuda:N or auto (a GPU where torch sees one)")
     ev.add_argument("--inject-faults", type=float, default=0.0, metavar="RATE",
@@ -99,13 +104,16 @@ def _eval(args: argparse.Namespace) -> int:
     for old_flag, new_flag in RENAMED_FLAGS.items():
         if getattr(args, old_flag.strip("-").replace("-", "_"), None) is not None:
             raise ValueError(f"{old_flag}: renamed; use {new_flag}")
+    if args.tasks is None:
+        raise ValueError("--tasks: required to evaluate one policy (a JSON-lines task file)")
     if not Path(args.tasks).is_file():
         raise ValueError(f"--tasks {args.tasks!r}: no such file")
     tasks = load_tasks(args.tasks)
     if not tasks:
         raise ValueError(f"--tasks {args.tasks!r}: holds no task")
     settings = EvalSettings(samples=args.samples, rollout=eval_rollout(args, tasks),
-                            seed=args.seed, inject_faults=args.inject_faults,
+                            seed=0 if args.seed is None else args.seed,
+                            inject_faults=args.inject_faults,
                             inject_infrastructure_faults=args.inject_infrastructure_faults)
     judge_data = _read_config(args.judge, "--judge")
     judge = None if judge_data is None else JudgeConfig.from_dict(judge_data)

@@ -56,6 +56,10 @@ class RunRow:
     """Seconds spent in updates (policy and critic)."""
     wall_seconds: float | None
     """Wall-clock seconds of the run."""
+    others_shift: float | None = None
+    """Several agents: how much the rest of an agent's environment changed per step, the mean
+    over steps and agents of ``nonstationarity.others_shift`` (the other agents' policy shift,
+    KL(old || new) per action token); None for one agent."""
 
 
 def _get(config: Mapping[str, Any], dotted: str) -> Any:
@@ -110,6 +114,8 @@ def run_row(run: RunFiles) -> RunRow:
     if _get(run.config, "multiagent.env") not in (None, "none"):  # several agents
         estimator = f"{estimator} ({_get(run.config, 'multiagent.weights')} weights)"
         critic = _get(run.config, "multiagent.critic")
+    shifts = [v for r in metrics for k, v in r.items()
+               if k.startswith("nonstationarity.others_shift.") and number(v) is not None]
     return RunRow(
         run=run.path.name,
         estimator=None if estimator is None else str(estimator),
@@ -123,6 +129,7 @@ def run_row(run: RunFiles) -> RunRow:
         tool_seconds=tool,
         train_seconds=total(metrics, TRAIN_KEYS),
         wall_seconds=number(summary.get("wall_seconds")),
+        others_shift=sum(shifts) / len(shifts) if shifts else None,
     )
 
 
@@ -167,8 +174,9 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("greedy", "greedy after"), ("rollouts", "rollouts"), ("terminated", "terminated"),
     ("generated_tokens", "gen. tokens"), ("tool_seconds", "tool s"),
     ("train_seconds", "train s"), ("wall_seconds", "wall s"),
+    ("others_shift", "others' shift/step"),
 )
-"""Table columns: RunRow field and heading."""
+"""Table columns: RunRow field and heading (the last only when a run has several agents)."""
 
 
 def _cell(row: RunRow, name: str) -> str:
@@ -180,6 +188,8 @@ def _cell(row: RunRow, name: str) -> str:
         return f"{value:.3f}{interval}"
     if name in ("success_before", "greedy"):
         return f"{value:.3f}"
+    if name == "others_shift":
+        return f"{value:.2g}"
     if name in ("rollouts", "terminated", "generated_tokens"):
         return f"{value:,.0f}"  # counts
     if isinstance(value, float):
@@ -189,8 +199,10 @@ def _cell(row: RunRow, name: str) -> str:
 
 def format_table(rows: Sequence[RunRow], *, markdown: bool = False) -> str:
     """The rows as an aligned text table, or a Markdown table."""
-    headings = [heading for _, heading in COLUMNS]
-    cells = [[_cell(row, name) for name, _ in COLUMNS] for row in rows]
+    columns = [(name, heading) for name, heading in COLUMNS
+               if name != "others_shift" or any(row.others_shift is not None for row in rows)]
+    headings = [heading for _, heading in columns]
+    cells = [[_cell(row, name) for name, _ in columns] for row in rows]
     if markdown:
         lines = ["| " + " | ".join(headings) + " |", "|" + "---|" * len(headings)]
         lines += ["| " + " | ".join(line) + " |" for line in cells]

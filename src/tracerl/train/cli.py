@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from tracerl.train.config import describe_config, load_config
@@ -54,6 +55,56 @@ def _train_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+JOINT_REFUSED = {"--top-p": "top_p", "--top-k": "top_k", "--max-attempt-tokens":
+                 "max_attempt_tokens", "--max-seconds": "max_seconds", "--judge": "judge",
+                 "--training-judge": "training_judge", "--inject-faults": "inject_faults",
+                 "--inject-infrastructure-faults": "inject_infrastructure_faults",
+                 "--unsafe-no-sandbox": "unsafe_no_sandbox", "--progress": "progress"}
+"""Flags of ``tracerl eval`` that a multi-agent run's evaluation does not use (refused)."""
+
+
+def _eval_joint(args: argparse.Namespace, run_dir: Path) -> int:
+    """``tracerl eval`` of a multi-agent run: its policies together, joint success."""
+    from tracerl.train.joint_eval import evaluate_joint_run, format_joint_result
+
+    for flag, name in JOINT_REFUSED.items():
+        if getattr(args, name) not in (None, False, 0.0):
+            raise ValueError(f"{flag}: not available for a multi-agent run "
+                             f"({str(run_dir)!r}); leave it out")
+    if args.device not in ("auto", "cpu"):
+        raise ValueError(f"--device {args.device!r}: a multi-agent run is evaluated on the CPU")
+    result = evaluate_joint_run(run_dir, samples=args.samples, temperature=args.temperature,
+                                seed=args.seed, max_turns=args.max_turns,
+                                max_turn_tokens=args.max_turn_tokens, tasks_file=args.tasks,
+                                store_dir=args.store)
+    print(format_joint_result(result))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n",
+                                       encoding="utf-8")
+    return 0
+
+
+def _joint_eval(subparsers: Any) -> None:
+    """Let ``tracerl eval --policy RUN`` evaluate a multi-agent run's agents together
+    (:mod:`tracerl.train.joint_eval`). The evaluation library never imports the trainer, so
+    the trainer's command line extends ``eval`` (registered before it): a ``--policy`` that
+    names a joint run goes here, anything else to ``eval``'s own handler."""
+    parser = subparsers.choices.get("eval")
+    if parser is None:
+        return
+    single = parser.get_default("func")
+
+    def evaluate(args: argparse.Namespace) -> int:
+        from tracerl.train.joint_eval import joint_run_dir
+
+        run_dir = joint_run_dir(args.policy)
+        if run_dir is None:
+            return int(single(args))
+        return _eval_joint(args, run_dir)
+
+    parser.set_defaults(func=evaluate)
+
+
 def register(subparsers: Any) -> None:
     """Add ``train``, ``train-options``, ``train-eval`` and ``demo``."""
     train = subparsers.add_parser(
@@ -98,3 +149,4 @@ def register(subparsers: Any) -> None:
     demo.add_argument("--strict", action="store_true",
                       help="exit 1 when the demo misses its held-out targets")
     demo.set_defaults(func=_demo)
+    _joint_eval(subparsers)

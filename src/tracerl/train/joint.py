@@ -294,6 +294,11 @@ class JointTrainer:
                 batch, per_turn,
                 {i: str(by_id[i].metadata["joint"]["id"]) for i in batch.attempt_ids},
                 {i: str(by_id[i].metadata["agent"]) for i in batch.attempt_ids})
+        if update.entropy_coef == 0 and not bool((advantages * batch.action_mask).any()):
+            # Nothing to learn from (every group uniform), as the single-agent trainer skips
+            # it: an optimizer step on zero gradients would still move the weights (Adam's
+            # momentum), with no advantage to pull them back.
+            return {"update": {"skipped": 1.0}, "shift": {a: 0.0 for a in policy.agents}}
         rows = dataclasses.replace(rows, advantages=advantages)
         metrics = ppo_update(policy.actor, policy.optimizer, rows, batch.attempt_index, update,
                              CriticConfig(), self.generator)
@@ -313,24 +318,40 @@ class JointTrainer:
 
     # -- evaluation -------------------------------------------------------------------------
 
-    def evaluate(self) -> dict[str, Any]:
-        """Joint success on the held-out tasks: ``eval.samples_per_task`` sampled joint
-        attempts per task (with a 95% task-level bootstrap interval) and one greedy."""
-        per_task = self._success(self.config.rollout.temperature,
-                                 self.config.eval.samples_per_task)
-        greedy = self._success(0.0, 1)
+    def evaluate(self, *, samples: int | None = None, temperature: float | None = None,
+                 seed: int | None = None, task_ids: Sequence[str] | None = None,
+                 keep: list[JointAttempt] | None = None) -> dict[str, Any]:
+        """Joint success on the held-out tasks (or ``task_ids``): ``samples`` sampled joint
+        attempts per task (default ``eval.samples_per_task``, at ``temperature``, default
+        ``rollout.temperature``), with a 95% task-level bootstrap interval, and one greedy.
+        ``seed`` (default the run's) seeds sampling and the bootstrap; the sampled joint
+        attempts are appended to ``keep`` when given."""
+        seed = self.config.seed if seed is None else seed
+        tasks = list(self.heldout_ids if task_ids is None else task_ids)
+        temperature = self.config.rollout.temperature if temperature is None else temperature
+        sampled = self._joints(tasks, temperature, samples or self.config.eval.samples_per_task,
+                               seed)
+        if keep is not None:
+            keep.extend(sampled)
+        per_task = _by_task(sampled, tasks)
+        greedy = _by_task(self._joints(tasks, 0.0, 1, seed), tasks)
         flat = [s for scores in per_task for s in scores]
         return {"success": sum(flat) / len(flat),
-                "ci95": list(bootstrap_ci(per_task, seed=self.config.seed)),
-                "greedy": sum(s for scores in greedy for s in scores) / len(greedy)}
+                "ci95": list(bootstrap_ci(per_task, seed=seed)),
+                "greedy": sum(s for scores in greedy for s in scores) / len(greedy),
+                "per_task": per_task}
 
-    def _success(self, temperature: float, samples: int) -> list[list[float]]:
-        joints = self.collector(temperature).collect(self.heldout_ids, samples,
-                                                     seed=self.config.seed + 7, step=-1)
-        by_task: dict[str, list[float]] = {t: [] for t in self.heldout_ids}
-        for joint in joints:
-            by_task[joint.task_id].append(joint_success(joint))
-        return [by_task[t] for t in self.heldout_ids]
+    def _joints(self, tasks: Sequence[str], temperature: float, samples: int,
+                seed: int) -> list[JointAttempt]:
+        return self.collector(temperature).collect(tasks, samples, seed=seed + 7, step=-1)
+
+
+def _by_task(joints: Sequence[JointAttempt], tasks: Sequence[str]) -> list[list[float]]:
+    """Each task's joint successes, in ``tasks`` order."""
+    by_task: dict[str, list[float]] = {t: [] for t in tasks}
+    for joint in joints:
+        by_task[joint.task_id].append(joint_success(joint))
+    return [by_task[t] for t in tasks]
 
 
 def joint_success(joint: JointAttempt) -> float:
