@@ -22,6 +22,10 @@ server on the model (``rollout.vllm.VllmEngine``, as a training run does), then
 Run: ``python bench/engine.py --python .engine-venv/bin/python`` (``make engine-env`` builds
 that environment; the server runs in it, this script in any environment with tracerl). Both
 sides share the machine's cores: run it on an otherwise idle machine.
+
+On a GPU, with vLLM's GPU build in ``--python``'s environment: ``--sizes 0.5B --device cuda
+--server-args="--gpu-memory-utilization 0.5"`` (the trainer's copy and the local sampler on
+the card too, the server leaving them room).
 """
 
 from __future__ import annotations
@@ -54,8 +58,12 @@ SIZES: dict[str, tuple[int, TinyModelConfig]] = {
                                    intermediate_size=320, max_positions=1024)),
     "100M": (8192, TinyModelConfig(hidden_size=768, num_layers=12, num_heads=12,
                                    intermediate_size=2048, max_positions=1024)),
+    "0.5B": (8192, TinyModelConfig(hidden_size=1024, num_layers=24, num_heads=16,
+                                   intermediate_size=4864, max_positions=1024)),
 }
-"""(vocabulary, shape) of each size: the demo's model (configs/demo.yaml) and ~100M."""
+"""(vocabulary, shape) of each size: the demo's model (configs/demo.yaml), ~100M, and ~0.5B
+(for a GPU; not in the default ``--sizes``)."""
+CPU_SIZES = ["demo", "100M"]
 
 CORPUS = ["def add(a, b):\n    return a + b\n", "Fix the bug in the function.",
           "run_tests submit replace open_file"] * 20
@@ -79,7 +87,8 @@ def measure_lora(model: Any, tokenizer: Any, python: str, shape: TinyModelConfig
                         LoraSettings(rank=args.lora_rank, alpha=2.0 * args.lora_rank,
                                      target_modules=LORA_TARGETS),
                         base_name=str(base.resolve()), seed=0)
-    engine = VllmEngine(VllmConfig(python=python, max_model_len=shape.max_positions),
+    engine = VllmEngine(VllmConfig(python=python, max_model_len=shape.max_positions,
+                                   extra_args=args.server_args),
                         root / "run", tokenizer, seed=0)
     generator = torch.Generator().manual_seed(1)
     started = time.perf_counter()
@@ -90,7 +99,8 @@ def measure_lora(model: Any, tokenizer: Any, python: str, shape: TinyModelConfig
         for version in range(1, args.syncs + 1):
             with torch.no_grad():  # what an update does: every adapter weight moves
                 for _, parameter in adapter_parameters(policy):
-                    parameter.add_(1e-2 * torch.randn(parameter.shape, generator=generator))
+                    parameter.add_(1e-2 * torch.randn(parameter.shape, generator=generator)
+                                   .to(parameter.device))
             for key, value in engine.sync(policy, version).items():
                 parts.setdefault(key, []).append(value)
     finally:
@@ -103,10 +113,11 @@ def measure_lora(model: Any, tokenizer: Any, python: str, shape: TinyModelConfig
 def measure(name: str, python: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     vocab, shape = SIZES[name]
     tokenizer = train_tokenizer(CORPUS, vocab_size=vocab, words=WORDS)
-    model = build_tiny_model(tokenizer, shape, seed=0)
+    model = build_tiny_model(tokenizer, shape, seed=0).to(args.device)
     lora = (measure_lora(model, tokenizer, python, shape, args, root / f"{name}-lora")
             if args.lora_rank > 0 else {})
-    engine = VllmEngine(VllmConfig(python=python, max_model_len=shape.max_positions),
+    engine = VllmEngine(VllmConfig(python=python, max_model_len=shape.max_positions,
+                                   extra_args=args.server_args),
                         root / name, tokenizer, seed=0)
     started = time.perf_counter()
     try:
@@ -154,13 +165,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--python", default=".engine-venv/bin/python",
                         help="the interpreter with vLLM (runs the server)")
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=CPU_SIZES, choices=list(SIZES))
     parser.add_argument("--syncs", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--lora-rank", type=int, default=8,
                         help="rank of the LoRA adapter whose syncs are measured (0: none)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the trainer's copy of the model and the local sampler run")
+    parser.add_argument("--server-args", default="",
+                        help="more vLLM server flags (vllm.extra_args)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of this process (the local sampler)")
     args = parser.parse_args()
