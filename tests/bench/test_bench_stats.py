@@ -56,3 +56,39 @@ def test_gae_times_every_contender_the_same_number_of_times() -> None:
     assert timings["a"].median >= 0.0
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         gae.timed_together({"a": lambda: None}, 0)
+
+
+def test_engine_sync_cell_sums_the_parts_and_marks_what_was_not_measured() -> None:
+    engine = load("engine")
+    parts = engine.medians({"write_seconds": [0.3, 0.1, 0.2], "load_seconds": [0.05],
+                            "verify_seconds": [0.5, 0.7], "sync_seconds": [1.0]}, "lora_")
+    assert parts["lora_write_seconds_median"] == pytest.approx(0.2)
+    assert parts["lora_verify_seconds_median"] == pytest.approx(0.6)
+    assert engine.sync_cell(parts, "lora_") == "0.850 (0.200 + 0.050 + 0.600)"
+    assert engine.sync_cell(parts, "") == "-"  # no full sync measured
+
+
+def test_engine_sizes_are_what_they_are_named() -> None:
+    import torch
+    import yaml
+
+    from tracerl.models.tiny import build_tiny_model, count_parameters, train_tokenizer
+    from tracerl.models.words import WORDS
+
+    engine = load("engine")
+    recipe = yaml.safe_load((BENCH.parent / "configs" / "demo.yaml").read_text("utf-8"))["model"]
+    vocab, shape = engine.SIZES["demo"]
+    assert vocab == recipe["vocab_size"]
+    assert {k: getattr(shape, k) for k in ("hidden_size", "num_layers", "num_heads",
+                                           "intermediate_size", "max_positions")} == {
+        k: recipe[k] for k in ("hidden_size", "num_layers", "num_heads", "intermediate_size",
+                               "max_positions")}
+    counts = {}
+    for name in ("100M", "0.5B"):
+        vocab, shape = engine.SIZES[name]
+        tokenizer = train_tokenizer(engine.CORPUS, vocab_size=vocab, words=WORDS)
+        with torch.device("meta"):  # the shapes only: no memory for the weights
+            counts[name] = count_parameters(build_tiny_model(tokenizer, shape, seed=0))
+    assert 50e6 < counts["100M"] < 150e6
+    assert 0.4e9 < counts["0.5B"] < 0.6e9
+    assert "0.5B" not in engine.CPU_SIZES  # the GPU size is asked for by name
