@@ -242,7 +242,6 @@ class _TellingSpeaker(ReferentialGame):
         return super().step(agent, action)
 
 
-@pytest.mark.slow
 def test_the_listener_learns_a_speakers_protocol_in_a_short_run(tmp_path: Path) -> None:
     """Through the joint trainer, the listener learns which word names which item: success
     rises from chance (0.5); with an update that did nothing it would stay there."""
@@ -258,7 +257,6 @@ def test_the_listener_learns_a_speakers_protocol_in_a_short_run(tmp_path: Path) 
     assert sum(success[-2:]) / 2 >= 0.8, success
 
 
-@pytest.mark.slow
 def test_both_agents_learn_the_game_from_scratch_in_a_short_run(tmp_path: Path) -> None:
     """The recipe's speaker and listener, both learning from their random initialisation,
     agree on a protocol: joint success rises from chance (0.5) to at least 0.9 within 40
