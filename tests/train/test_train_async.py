@@ -327,3 +327,41 @@ def test_every_action_token_carries_the_version_that_sampled_it(mid_attempt: boo
                 own = at.gather(1, torch.tensor(ids)[:, None]).squeeze(1)
                 assert torch.allclose(own, torch.tensor(segment.logprobs).double(), atol=1e-4)
             context += ids
+
+
+def test_an_async_lora_run_trains_the_adapter_and_stamps_versions(tmp_path: Path) -> None:
+    """k = 1 with ``model.lora``: the worker's copy samples with the published adapter, only
+    the adapter moves, and every trained attempt is at most one version old."""
+    lora = {"rank": 4, "target_modules": ["q_proj", "v_proj"]}
+    recipe = tiny_recipe(tmp_path, steps=3, update=ASYNC_UPDATE,
+                         model={**TINY_RUN["model"], "lora": lora},
+                         asynchronous={"max_staleness": 1})
+    seen: dict[str, dict[str, torch.Tensor]] = {}
+
+    def watch(phase: str, trainer: Trainer) -> None:
+        if phase == "collect" and "before" not in seen:
+            seen["before"] = {n: p.detach().clone()
+                              for n, p in trainer.actor.policy.named_parameters()}
+
+    trainer = Trainer(load_config(recipe), hooks=[watch])
+    trainer.run()
+    before, after = seen["before"], dict(trainer.actor.policy.named_parameters())
+    trainer.close()
+    adapter = {n for n in before if "lora_" in n}
+    assert adapter
+    assert all(torch.equal(before[n], after[n]) for n in before if n not in adapter)
+    assert any(not torch.equal(before[n], after[n]) for n in adapter)
+    run_dir = tmp_path / "run"
+    records = _train_records(run_dir)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    stored = read_attempts(run_dir / "traces")
+    for record in records:
+        section = record["async"]
+        assert {int(age) for age in section["staleness_versions"]} <= {0, 1}
+        versions = {v for a in stored if a.group_id.startswith(f"s{record['step']:05d}r")
+                    for v in asynchronous.action_versions(a)}
+        assert versions and max(versions) <= section["learner_version"]
+    # Step 0 was sampled by the weights its update started from, adapter and all: the
+    # behavior logprobs are the trainer's.
+    assert records[0]["mismatch"]["mean_abs_log_ratio"] < 1e-5
+    assert (run_dir / "checkpoints" / "step-000003" / "adapter_model.safetensors").exists()
