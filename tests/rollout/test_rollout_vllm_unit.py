@@ -38,6 +38,7 @@ from tracerl.rollout.vllm.engine import (
     version_name,
     write_version,
 )
+from tracerl.rollout.vllm.server import served_lora_rank
 from tracerl.testing.serving import free_port
 from tracerl.trace import EndReason, TraceStore
 from tracerl.trace.reading import read_attempts
@@ -299,3 +300,10 @@ def test_the_server_command_carries_the_flags_the_sync_relies_on(tmp_path: Path)
     command = adapters.command()
     assert command[command.index("--max-lora-rank") + 1] == "8" and "--enable-lora" in command
     assert adapters.environment()["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    # vLLM accepts only some values for --max-lora-rank (4 is refused at start): a capacity,
+    # so an adapter of rank 4 is served under 8.
+    small = VllmServer(config, tmp_path, tmp_path / "log", lora_rank=4).command()
+    assert small[small.index("--max-lora-rank") + 1] == "8"
+    assert [served_lora_rank(r) for r in (1, 8, 9, 300, 512)] == [8, 8, 16, 320, 512]
+    with pytest.raises(ValueError, match=r"model\.lora\.rank: vLLM serves adapters up to rank 512"):
+        served_lora_rank(513)

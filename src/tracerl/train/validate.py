@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from tracerl.models.device import resolve_device
 from tracerl.rollout.vllm.config import ENGINES
+from tracerl.rollout.vllm.server import served_lora_rank
 from tracerl.train.algorithms import ESTIMATORS
 from tracerl.train.async_config import validate_async
 from tracerl.train.joint_config import validate_multiagent
@@ -124,6 +125,8 @@ def validate(config: TrainConfig) -> None:
                 raise ValueError(f"rollout.{option}: decoding rules run in the local sampler; "
                                  f"rollout.engine {r.engine!r} applies none (turn it off, or use "
                                  "rollout.engine: local)")
+        if config.model.lora.rank > 0:
+            served_lora_rank(config.model.lora.rank)  # vLLM's --max-lora-rank has a ceiling
     _validate_lora(config)
     if config.dynamic.refill and not config.dynamic.filter_uniform:
         raise ValueError("dynamic.refill: refilling needs dynamic.filter_uniform: true")

@@ -27,8 +27,10 @@ from tiny_runs import OneCallTrainer  # noqa: E402
 pytestmark = pytest.mark.engine
 
 
-def test_async_steps_sample_only_verified_versions(tmp_path: Path,
+@pytest.mark.parametrize("lora", [False, True])
+def test_async_steps_sample_only_verified_versions(tmp_path: Path, lora: bool,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lora``: ``model.lora`` on, so each sync loads the learner's adapter into the server."""
     model, tokenizer = tiny_model()
     policy = save_tiny(model, tokenizer, tmp_path / "policy")
     verified: list[int] = []
@@ -42,7 +44,8 @@ def test_async_steps_sample_only_verified_versions(tmp_path: Path,
     monkeypatch.setattr(vllm_engine.VllmEngine, "verify", recording)
     data = {
         "seed": 1, "steps": 3, "threads": 1, "tensorboard": False, "progress": False,
-        "model": {"path": str(policy), "max_positions": SHAPE.max_positions},
+        "model": {"path": str(policy), "max_positions": SHAPE.max_positions,
+                  "lora": {"rank": 4 if lora else 0, "target_modules": ["q_proj", "v_proj"]}},
         "tasks": {"train_count": 4, "heldout_count": 2},
         "rollout": {"engine": "vllm", "tasks_per_step": 2, "group_size": 2, "max_turns": 1,
                     "max_turn_tokens": 8, "concurrency": 4, "env_workers": 1,

@@ -40,6 +40,21 @@ INSTALL_HINT = ("install vLLM into the interpreter that runs the server (vllm.py
                 "as .engine-venv), then set vllm.python to its bin/python")
 
 
+LORA_RANK_CHOICES = (8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM's ``--max-lora-rank`` accepts (it refuses others, e.g. 4, at start); 1 is
+also accepted by recent releases but not by older ones."""
+
+
+def served_lora_rank(rank: int) -> int:
+    """The ``--max-lora-rank`` that serves an adapter of ``rank``: the smallest choice vLLM
+    accepts that is at least ``rank`` (a capacity: smaller adapters load under it)."""
+    for choice in LORA_RANK_CHOICES:
+        if rank <= choice:
+            return choice
+    raise ValueError(f"model.lora.rank: vLLM serves adapters up to rank {LORA_RANK_CHOICES[-1]}, "
+                     f"got {rank}")
+
+
 class EngineError(RuntimeError):
     """The rollout engine failed (start, sync, an answer that makes no sense)."""
 
@@ -157,7 +172,7 @@ class VllmServer:
         if config.max_model_len is not None:
             args += ["--max-model-len", str(config.max_model_len)]
         if self.lora_rank:
-            args += ["--enable-lora", "--max-lora-rank", str(self.lora_rank)]
+            args += ["--enable-lora", "--max-lora-rank", str(served_lora_rank(self.lora_rank))]
         return args + config.extra_args.split()
 
     def environment(self) -> dict[str, str]:
