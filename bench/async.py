@@ -16,7 +16,8 @@ collection and update seconds (the update: verify, advantages and the update pha
 each asynchronous run the ratio of its step time to the synchronous step time and to
 max(collection, update) of the synchronous run, and, in the same run step by step, the ratio
 of its step time to max(the worker's collection, the learner's update) and to their sum (the
-measure that machine load drifting between runs moves least); then ``tracerl compare``'s table
+measure that machine load drifting between runs moves least), the same per generated token
+(the runs' samples differ in length); then ``tracerl compare``'s table
 (held-out success with its interval, generated tokens, tool and training seconds).
 ``--warm-start RUN`` copies that run's warm start and evaluation before RL into every run
 instead of training one.
@@ -94,6 +95,13 @@ def run(config: Path, out: Path, overrides: list[str], warm_from: Path | None,
         "steps_total_seconds": sum(r["time"]["step_seconds"] for r in later),
         "collect_seconds": statistics.median(collect),
         "update_seconds": statistics.median(update)}
+    # Per generated token: two runs' samples differ in length (an asynchronous step's attempts
+    # are sampled one version earlier), and collection and update scale with it.
+    tokens = sum(r["costs"]["generated_tokens"] for r in later)
+    result["generated_tokens"] = tokens
+    result["step_ms_per_token"] = 1000 * result["steps_total_seconds"] / tokens
+    result["collect_ms_per_token"] = 1000 * sum(collect) / tokens
+    result["update_ms_per_token"] = 1000 * sum(update) / tokens
     if "async" in steps[-1]:
         worker = [r["async"]["collect_seconds"] for r in later]
         result["worker_collect_seconds"] = statistics.median(worker)
@@ -158,6 +166,14 @@ def main() -> None:
           f"{sync['collect_seconds']:.1f}s + update {sync['update_seconds']:.1f}s "
           f"(medians of steps 1-{sync['steps'] - 1}); max(collection, update) {bound:.1f}s; "
           f"steps 1-{sync['steps'] - 1} took {sync['steps_total_seconds']:.0f}s in all")
+    token_bound = max(sync["collect_ms_per_token"], sync["update_ms_per_token"])
+    print(f"per generated token (steps 1-{sync['steps'] - 1}): synchronous step "
+          f"{sync['step_ms_per_token']:.2f} ms = collection {sync['collect_ms_per_token']:.2f} "
+          f"+ update {sync['update_ms_per_token']:.2f}; "
+          + "; ".join(f"{r['run']} step {r['step_ms_per_token']:.2f} ms, "
+                      f"{r['step_ms_per_token'] / token_bound:.2f}x the synchronous "
+                      f"max(collection, update) per token ({r['generated_tokens']:,} tokens "
+                      f"against {sync['generated_tokens']:,})" for r in results[1:]))
     for result in results[1:]:
         total = result["steps_total_seconds"] / sync["steps_total_seconds"]
         print(f"{result['run']}: steps 1-{result['steps'] - 1} {result['steps_total_seconds']:.0f}s "
