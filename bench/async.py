@@ -123,8 +123,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=Path("configs/demo.yaml"))
     parser.add_argument("--out", type=Path, default=Path("runs/bench-async"))
-    parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2],
-                        help="the k of each asynchronous run (the synchronous one runs first)")
+    parser.add_argument("--staleness", type=int, action="append", default=None,
+                        help="the k of an asynchronous run, once per run (default: 1 and 2; "
+                             "the synchronous one runs first)")
     parser.add_argument("--steps", type=int, default=4, help="RL steps of every run")
     parser.add_argument("--sft-steps", type=int, default=300, help="warm-start steps")
     parser.add_argument("--tasks-per-step", type=int, default=6)
@@ -144,6 +145,7 @@ def main() -> None:
                         help="update.tis_cap of every run (decoupled PPO needs one)")
     parser.add_argument("overrides", nargs="*", help="more KEY=VALUE overrides for every run")
     args = parser.parse_args()
+    args.staleness = args.staleness or [1, 2]
 
     common = [f"steps={args.steps}", "max_seconds=null", f"sft.steps={args.sft_steps}",
               "sft.max_seconds=null", f"rollout.tasks_per_step={args.tasks_per_step}",
