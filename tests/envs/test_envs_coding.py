@@ -221,6 +221,30 @@ def test_a_dropped_env_removes_its_workspace(sandbox: Sandbox) -> None:
     assert not root.exists()
 
 
+def test_a_killed_process_s_workspaces_are_swept_by_the_next(tmp_path: Any) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tracerl.envs import coding
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    orphan = tmp_path / f"{coding.WORKSPACE_PREFIX}{dead}-abc"
+    recent = tmp_path / f"{coding.WORKSPACE_PREFIX}{dead}-new"
+    alive = tmp_path / f"{coding.WORKSPACE_PREFIX}{os.getpid()}-abc"
+    unknown = tmp_path / f"{coding.WORKSPACE_PREFIX}abcdef"  # no pid: not ours to judge
+    for path in (orphan, recent, alive, unknown):
+        (path / "pkg").mkdir(parents=True)
+        (path / "pkg" / "m.py").write_text("x = 1\n")
+    old = coding.time.time() - 2 * coding.ORPHAN_AGE_SECONDS
+    for path in (orphan, alive, unknown):
+        os.utime(path, (old, old))
+    assert coding._sweep_orphaned_workspaces(str(tmp_path), force=True) == 1
+    assert not orphan.exists()
+    assert recent.exists() and alive.exists() and unknown.exists()
+
+
 def test_replace_without_old_rewrites_the_line(tmp_path: Any) -> None:
     (tmp_path / "m.py").write_text("def f(n):\n    return n + 7\n")
     workspace = Workspace(tmp_path)

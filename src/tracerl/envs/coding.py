@@ -21,6 +21,7 @@ One episode is one attempt at one task. Actions are the policy's text; the env r
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -136,8 +137,10 @@ class CodingEnv(gym.Env[str, str]):
             index = int(self.np_random.integers(len(self.tasks)))
         self._cleanup()
         task = self.tasks[index]
-        root = Path(tempfile.mkdtemp(prefix="tracerl-attempt-"))
-        # An env dropped without close() (or a process ending normally) still removes it.
+        _sweep_orphaned_workspaces()
+        root = Path(tempfile.mkdtemp(prefix=f"{WORKSPACE_PREFIX}{os.getpid()}-"))
+        # An env dropped without close() (or a process ending normally) still removes it; a
+        # process killed outright leaves it, and the next process sweeps it.
         self._remove_workspace = weakref.finalize(self, shutil.rmtree, root, ignore_errors=True)
         write_files(root, task.files)
         self.task, self.workspace = task, Workspace(root)
@@ -392,3 +395,47 @@ class CodingEnv(gym.Env[str, str]):
         self._cleanup()
         self._done = True
         super().close()
+
+
+WORKSPACE_PREFIX = "tracerl-attempt-"
+"""Attempt workspaces are ``<tmp>/tracerl-attempt-<pid>-<random>``: the pid says whose."""
+ORPHAN_AGE_SECONDS = 3600.0
+"""A workspace of a process that is gone is swept once untouched this long (a pid may name a
+live process of another pid namespace sharing the directory, whose attempts are younger)."""
+_swept = False
+
+
+def _sweep_orphaned_workspaces(directory: str | None = None, *, force: bool = False) -> int:
+    """Remove the attempt workspaces that killed processes left behind (once per process, or
+    again with ``force``): those whose pid is not running and that have been untouched for
+    ``ORPHAN_AGE_SECONDS``. Returns how many were removed."""
+    global _swept
+    if _swept and not force:
+        return 0
+    _swept = True
+    removed, now = 0, time.time()
+    pattern = re.compile(re.escape(WORKSPACE_PREFIX) + r"(\d+)-")
+    for path in Path(directory or tempfile.gettempdir()).glob(f"{WORKSPACE_PREFIX}*-*"):
+        match = pattern.match(path.name)
+        if match is None or _pid_running(int(match.group(1))):
+            continue
+        try:
+            if now - path.stat().st_mtime < ORPHAN_AGE_SECONDS:
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed += not path.exists()
+    return removed
+
+
+def _pid_running(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
