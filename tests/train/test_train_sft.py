@@ -3,6 +3,7 @@ exactly as the collector builds an attempt."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator
 
@@ -20,6 +21,7 @@ from tracerl.envs.suite.demonstrator import (
     plan_kind,
     play_demonstration,
     search_candidates,
+    search_tries,
     wrong_fix,
 )
 from tracerl.envs.tasks import Task
@@ -106,6 +108,28 @@ def test_search_demonstration_tries_wrong_versions_then_the_fix() -> None:
         env.close()
     assert {2, 3} <= set(tries) <= {1, 2, 3}  # mostly one or two wrong tries before the fix
     assert plan_kind(random.Random(0), 0.4, 0.15, 0.3, search_fraction=1.0) == "search"
+
+
+def test_search_demonstrations_make_the_wrong_tries_the_turn_budget_has_room_for() -> None:
+    # view + each wrong try (edit, test, undo) + the right edit, its test, submit
+    assert [search_tries(turns, undo=True) for turns in (4, 8, 10, 12, 16)] == [1, 1, 2, 2, 2]
+    assert search_tries(8, undo=False) == 2
+    # the tasks' own 8-turn budget left out, as for the demonstrations of a run
+    tasks = [dataclasses.replace(t, budget=None)
+             for t in generate_split("train", 0, 28, composed=True)]
+    env = CodingEnv(tasks, max_turns=12)
+    rng = random.Random(5)
+    tries: list[int] = []
+    try:
+        for task in tasks:
+            demo = play_demonstration(task, "search", env, rng, line_edits=True,
+                                      implicit_path=True, undo=True, max_turns=12)
+            names = [parse_tool_call(a).call.name for a, _ in demo.turns]  # type: ignore[union-attr]
+            assert len(names) <= 12 and names.count("undo") == names.count("replace") - 1
+            tries.append(names.count("replace"))
+    finally:
+        env.close()
+    assert {2, 3} <= set(tries) <= {1, 2, 3}
 
 
 def test_search_candidates_change_what_the_bug_changed() -> None:

@@ -70,8 +70,8 @@ class DemonstrationSet:
                 recovery_fraction=sft.recovery_fraction, check_fraction=sft.check_fraction,
                 seed=self.config.seed, line_edits=sft.line_edits,
                 implicit_path=sft.implicit_path, retry_fraction=sft.retry_fraction,
-                search_fraction=sft.search_fraction,
-                undo=sft.undo)
+                search_fraction=sft.search_fraction, undo=sft.undo,
+                max_turns=self.config.rollout.max_turns)
         return self._demos
 
     def tokenizer_texts(self) -> list[str]:

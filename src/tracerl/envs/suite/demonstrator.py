@@ -34,8 +34,9 @@ right edit, PASS, submit), ``retry`` (an edit whose ``old`` is not in the line, 
 versions of the buggy part of the line, each tested and FAIL, then the right one, PASS,
 submit: a demonstrator that does not know the fix and uses the tests to find it). With
 ``undo``, ``recovery`` and ``search`` undo each failed try (FAIL, ``undo``, the line shown as
-the task gave it) and edit that line again; ``search`` then makes one wrong try, as three
-turns per try leave room for one in the built-in 8-turn budget."""
+the task gave it) and edit that line again; a wrong try then costs three turns, and
+``search`` makes as many (one or two) as its turn budget leaves room for (one in the built-in
+8 turns, two in 12: ``search_tries``)."""
 
 
 @dataclass(frozen=True)
@@ -228,9 +229,16 @@ def _edit(path: str | None, line: int | None, before: str, after: str,
     return render_tool_call("replace", {**where, "line": line, "old": old or found, "new": new})
 
 
+def search_tries(max_turns: int, undo: bool) -> int:
+    """The most wrong tries a ``search`` demonstration makes within ``max_turns``: each costs
+    an edit and a test run (and an ``undo``); the view, the right edit, its test run and the
+    submit take four more turns. At least one, at most two."""
+    return max(1, min(2, (max_turns - 4) // (3 if undo else 2)))
+
+
 def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random, *,
                        line_edits: bool = False, implicit_path: bool = False,
-                       undo: bool = False) -> Demonstration:
+                       undo: bool = False, max_turns: int = 8) -> Demonstration:
     """Play one scripted attempt in ``env`` (a ``CodingEnv``); submit is not stepped (its
     observation is never shown to the policy, and verification would only cost time).
 
@@ -239,7 +247,8 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
     ``view_file`` and ``replace`` leave out ``path`` and act on the environment's open file
     (the task's first editable file, which is the one with the bug in the built-in suite).
     ``undo``: after a wrong edit's FAIL, ``recovery`` and ``search`` call ``undo`` and make the
-    next edit on the original line (otherwise they edit the wrong version).
+    next edit on the original line (otherwise they edit the wrong version). ``max_turns``:
+    the policy's turn budget, which bounds how many wrong tries ``search`` makes.
     Every demonstration submits at its first PASS: a wrong try that the visible tests happen
     to pass is submitted, as a demonstrator who cannot tell would."""
     if line_edits:
@@ -264,8 +273,8 @@ def play_demonstration(task: Task, kind: DemoKind, env: Any, rng: random.Random,
                     _call("run_tests")]
     elif kind == "search":
         current = bad
-        # With undo a wrong try costs three turns: one of them fits the built-in 8-turn budget.
-        for candidate in [*search_candidates(bad, good, rng, most=1 if undo else 2), good]:
+        most = search_tries(max_turns, undo)
+        for candidate in [*search_candidates(bad, good, rng, most=most), good]:
             actions += [edit(current, candidate), _call("run_tests")]
             if undo and candidate != good:
                 actions.append(_call("undo"))
@@ -301,8 +310,8 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                         demos_per_task: int, wrong_fraction: float, recovery_fraction: float,
                         check_fraction: float, seed: int, line_edits: bool = False,
                         implicit_path: bool = False, retry_fraction: float = 0.0,
-                        search_fraction: float = 0.0,
-                        undo: bool = False) -> list[Demonstration]:
+                        search_fraction: float = 0.0, undo: bool = False,
+                        max_turns: int = 8) -> list[Demonstration]:
     """``demos_per_task`` demonstrations of each task, kinds drawn from the fractions."""
     rng = random.Random(seed)
     env = make_env()
@@ -313,7 +322,8 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                 kind = plan_kind(rng, wrong_fraction, recovery_fraction, check_fraction,
                                  retry_fraction, search_fraction)
                 demos.append(play_demonstration(task, kind, env, rng, line_edits=line_edits,
-                                                implicit_path=implicit_path, undo=undo))
+                                                implicit_path=implicit_path, undo=undo,
+                                                max_turns=max_turns))
     finally:
         env.close()
     return demos
