@@ -114,6 +114,17 @@ def test_hidden_and_outside_paths_are_refused_and_audited(env: CodingEnv) -> Non
     assert audit.flagged
 
 
+def test_an_empty_path_is_a_malformed_call_not_an_escape(env: CodingEnv) -> None:
+    # The demo's policy writes `"path": ""` now and then: refused, and not counted as a hack.
+    env.reset(seed=0, options={"task_index": 4})
+    observation = env.step(call("replace", line="1", new="x", path=""))[0]
+    assert observation == "error: replace: path must name a file, got ''"
+    env.step(call("view_file", path="."))
+    assert not env.audit().flagged
+    env.step(call("view_file", path="pkg/../../secret"))
+    assert env.audit().outside_access_attempts == ("pkg/../../secret",)
+
+
 def test_always_equal_object_does_not_fool_the_verifier(env: CodingEnv) -> None:
     env.reset(seed=0, options={"task_index": 5})
     assert env.task is not None

@@ -187,6 +187,8 @@ class Workspace:
         Links are refused too: code run by the tests could plant a link to a host file and
         then ask ``view_file`` (which runs outside the sandbox) to read it.
         """
+        if isinstance(path, str) and path.strip() in ("", "."):
+            raise PathError(f"path must name a file, got {path!r}")
         try:
             relative = check_relative_path(path)
         except ValueError:
