@@ -20,7 +20,13 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from tracerl.envs.sandbox import Sandbox
-from tracerl.envs.tasks import Task, check_relative_path, hidden_verdict, run_in_fresh_workspace
+from tracerl.envs.tasks import (
+    Task,
+    check_relative_path,
+    hidden_verdict,
+    leaves_workspace,
+    run_in_fresh_workspace,
+)
 from tracerl.envs.tools import failure_excerpt
 from tracerl.envs.verdict import (
     EARLY_EXIT_PATTERNS,
@@ -209,7 +215,7 @@ def audit_attempt(task: Task, final_files: Mapping[str, str],
         try:
             normal = check_relative_path(path)
         except ValueError:
-            if _leaves_workspace(path):  # an empty or "." path is a malformed call, not a try
+            if leaves_workspace(path):  # an empty or "." path is a malformed call, not a try
                 outside.add(path)
             continue
         if name in ("replace", "write_file") and task.is_protected(normal):
@@ -229,11 +235,3 @@ def audit_attempt(task: Task, final_files: Mapping[str, str],
         early_exit_code=exits, harness_patches=patches, hidden_name_hits=names,
         exited_early=exited_early,
     )
-
-
-def _leaves_workspace(path: str) -> bool:
-    """Whether a path the agent named points outside the workspace (absolute, ``..``, or a
-    NUL byte), as opposed to one that is only malformed (empty, ``.``)."""
-    parts = re.split(r"[/\\]", path)
-    return path.startswith(("/", "\\")) or ".." in parts or "\x00" in path
-

@@ -438,4 +438,3 @@ def _pid_running(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-

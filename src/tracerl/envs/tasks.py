@@ -11,6 +11,7 @@ import dataclasses
 import fnmatch
 import json
 import math
+import re
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -255,13 +256,22 @@ def _drop_none(task_id: str, name: str, value: Any) -> dict[str, str]:
     return {k: v for k, v in value.items() if v is not None}
 
 
+def leaves_workspace(path: str) -> bool:
+    """Whether ``path`` points outside a workspace (absolute, ``..``, with either slash, or a
+    NUL byte), as opposed to one that is only malformed (empty, ``.``)."""
+    return (path.startswith(("/", "\\")) or ".." in re.split(r"[/\\]", path)
+            or "\x00" in path)
+
+
 def check_relative_path(path: str) -> str:
     """Return ``path`` normalised, or raise ValueError if it could leave the workspace."""
-    if not isinstance(path, str) or not path or "\x00" in path or "\\" in path:
+    if isinstance(path, str) and not path.strip():
+        raise ValueError(f"path must name a file, got {path!r}")
+    if not isinstance(path, str) or "\x00" in path or "\\" in path:
         raise ValueError(f"path must be a non-empty relative POSIX path, got {path!r}")
-    pure = PurePosixPath(path)
-    if pure.is_absolute() or ".." in pure.parts:
+    if leaves_workspace(path):
         raise ValueError(f"path must stay inside the workspace, got {path!r}")
+    pure = PurePosixPath(path)
     normal = str(PurePosixPath(*[p for p in pure.parts if p != "."])) if pure.parts else ""
     if normal in ("", "."):
         raise ValueError(f"path must name a file, got {path!r}")

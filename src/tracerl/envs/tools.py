@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tracerl.envs.sandbox import WORKSPACE_MOUNT, SandboxResult
-from tracerl.envs.tasks import check_relative_path
+from tracerl.envs.tasks import check_relative_path, leaves_workspace
 from tracerl.hermes import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
@@ -187,11 +187,11 @@ class Workspace:
         Links are refused too: code run by the tests could plant a link to a host file and
         then ask ``view_file`` (which runs outside the sandbox) to read it.
         """
-        if isinstance(path, str) and path.strip() in ("", "."):
-            raise PathError(f"path must name a file, got {path!r}")
         try:
             relative = check_relative_path(path)
-        except ValueError:
+        except ValueError as error:
+            if isinstance(path, str) and not leaves_workspace(path):
+                raise PathError(str(error)) from None  # malformed (empty, "."), not an escape
             raise PathError(f"path must be inside the repository: {path}") from None
         target = self.root / relative
         for parent in [target, *target.parents]:

@@ -153,8 +153,8 @@ class SFTConfig:
     """Fraction of demonstrations that search with the tests: one or two wrong versions of the
     buggy part of the line, each followed by a FAIL test run, then the right one, PASS,
     submit (with ``undo``, as many wrong tries as ``rollout.max_turns`` leaves room for: one in
-    8 turns, two in 12). Unlike ``recovery`` (whose second edit needs the same knowledge as a right first
-    edit), the second try only has to change what the first try changed."""
+    8 turns, two in 12). Unlike ``recovery`` (whose second edit needs the same knowledge as a
+    right first edit), the second try only has to change what the first try changed."""
     observation_weight: float = 0.0
     """Weight of a side loss on the context tokens (task statement, tool outputs), relative to
     the action loss; 0 trains on actions only. The demo uses it: a tiny model learns to copy
