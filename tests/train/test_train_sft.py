@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -86,26 +87,31 @@ def test_retry_demonstration_reads_the_not_found_error_and_edits_again(line_edit
     assert "retry" not in kinds
 
 
-def test_search_demonstration_tries_wrong_versions_then_the_fix() -> None:
-    tasks = generate_split("train", 0, 28, composed=True)
-    env = CodingEnv(tasks)
+def _search_demonstrations(tasks: list[Task], env: CodingEnv,
+                           **options: Any) -> Iterator[Demonstration]:
+    """A ``search`` demonstration of each task, played in ``env`` (closed afterwards)."""
     rng = random.Random(5)
-    tries: list[int] = []
     try:
         for task in tasks:
-            demo = play_demonstration(task, "search", env, rng, line_edits=True,
-                                      implicit_path=True)
-            observations = [o for _, o in demo.turns]
-            # view, then (edit OK, test) pairs: FAIL for the wrong versions, PASS for the fix;
-            # a wrong version the visible tests happen to pass is submitted (the demonstrator
-            # cannot tell), so the demonstration always ends at its first PASS.
-            pairs = list(zip(observations[1:-1:2], observations[2:-1:2], strict=True))
-            assert all(edit == "OK" for edit, _ in pairs)
-            assert [test[:4] for _, test in pairs] == ["FAIL"] * (len(pairs) - 1) + ["PASS"]
-            assert parse_tool_call(demo.turns[-1][0]).call.name == "submit"
-            tries.append(len(pairs))
+            yield play_demonstration(task, "search", env, rng, line_edits=True,
+                                     implicit_path=True, **options)
     finally:
         env.close()
+
+
+def test_search_demonstration_tries_wrong_versions_then_the_fix() -> None:
+    tasks = generate_split("train", 0, 28, composed=True)
+    tries: list[int] = []
+    for demo in _search_demonstrations(tasks, CodingEnv(tasks)):
+        observations = [o for _, o in demo.turns]
+        # view, then (edit OK, test) pairs: FAIL for the wrong versions, PASS for the fix;
+        # a wrong version the visible tests happen to pass is submitted (the demonstrator
+        # cannot tell), so the demonstration always ends at its first PASS.
+        pairs = list(zip(observations[1:-1:2], observations[2:-1:2], strict=True))
+        assert all(edit == "OK" for edit, _ in pairs)
+        assert [test[:4] for _, test in pairs] == ["FAIL"] * (len(pairs) - 1) + ["PASS"]
+        assert parse_tool_call(demo.turns[-1][0]).call.name == "submit"
+        tries.append(len(pairs))
     assert {2, 3} <= set(tries) <= {1, 2, 3}  # mostly one or two wrong tries before the fix
     assert plan_kind(random.Random(0), 0.4, 0.15, 0.3, search_fraction=1.0) == "search"
 
@@ -117,18 +123,12 @@ def test_search_demonstrations_make_the_wrong_tries_the_turn_budget_has_room_for
     # the tasks' own 8-turn budget left out, as for the demonstrations of a run
     tasks = [dataclasses.replace(t, budget=None)
              for t in generate_split("train", 0, 28, composed=True)]
-    env = CodingEnv(tasks, max_turns=12)
-    rng = random.Random(5)
     tries: list[int] = []
-    try:
-        for task in tasks:
-            demo = play_demonstration(task, "search", env, rng, line_edits=True,
-                                      implicit_path=True, undo=True, max_turns=12)
-            names = [parse_tool_call(a).call.name for a, _ in demo.turns]  # type: ignore[union-attr]
-            assert len(names) <= 12 and names.count("undo") == names.count("replace") - 1
-            tries.append(names.count("replace"))
-    finally:
-        env.close()
+    for demo in _search_demonstrations(tasks, CodingEnv(tasks, max_turns=12), undo=True,
+                                       max_turns=12):
+        names = [parse_tool_call(a).call.name for a, _ in demo.turns]  # type: ignore[union-attr]
+        assert len(names) <= 12 and names.count("undo") == names.count("replace") - 1
+        tries.append(names.count("replace"))
     assert {2, 3} <= set(tries) <= {1, 2, 3}
 
 
