@@ -144,7 +144,7 @@ def register(subparsers: Any) -> None:
     evaluate.set_defaults(func=_train_eval)
     demo = subparsers.add_parser(
         "demo", help="SFT then multi-turn GRPO on the built-in suite (2 CPU cores, "
-                           "about 20 minutes), judged on held-out tasks")
+                           "about 15 minutes), judged on held-out tasks")
     demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     demo.add_argument("--strict", action="store_true",
                       help="exit 1 when the demo misses its held-out targets")
