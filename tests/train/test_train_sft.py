@@ -18,6 +18,7 @@ from tracerl.envs.suite.demonstrator import (
     bug_line,
     bug_location,
     demonstration_texts,
+    make_demonstrations,
     minimal_edit,
     plan_kind,
     play_demonstration,
@@ -85,6 +86,27 @@ def test_retry_demonstration_reads_the_not_found_error_and_edits_again(line_edit
     assert plan_kind(random.Random(0), 0.4, 0.15, 0.3, retry_fraction=1.0) == "retry"
     kinds = {plan_kind(random.Random(s), 0.4, 0.15, 0.3) for s in range(200)}
     assert "retry" not in kinds
+
+
+def test_demonstrations_do_not_depend_on_how_many_environments_play_them() -> None:
+    # Scripts are not held to a task's turn budget (as the trainer plays them).
+    tasks = [dataclasses.replace(t, budget=None)
+             for t in generate_split("train", 0, 24, composed=True)]
+
+    def env() -> CodingEnv:
+        return CodingEnv(tasks, max_turns=32)
+
+    options: dict[str, Any] = dict(
+        demos_per_task=1, wrong_fraction=0.5, recovery_fraction=0.1, check_fraction=0.6,
+        seed=3, line_edits=True, implicit_path=True, retry_fraction=0.15,
+        search_fraction=0.2, undo=True, max_turns=12)
+    one = make_demonstrations(tasks, env, workers=1, **options)
+    five = make_demonstrations(tasks, env, workers=5, **options)
+    assert [d.task_id for d in one] == [t.id for t in tasks]
+    assert len({d.kind for d in one}) >= 4  # several kinds, so several random draws each
+    assert five == one
+    with pytest.raises(ValueError, match="workers"):
+        make_demonstrations(tasks, env, workers=0, **options)
 
 
 def _search_demonstrations(tasks: list[Task], env: CodingEnv,
