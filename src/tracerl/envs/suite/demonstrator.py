@@ -340,8 +340,7 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
     """``demos_per_task`` demonstrations of each task, kinds drawn from the fractions.
 
     ``workers`` environments play them at once (each test run is a sandboxed process, so the
-    threads mostly wait: the demo's 2,048 took 71 s with one, 36 s with two and 26 s with
-    eight on 2 cores); the result does not depend on ``workers``: every random draw is made
+    threads mostly wait); the result does not depend on ``workers``: every random draw is made
     first, in order (``_plan_demonstration``), and each environment is reset per task."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
