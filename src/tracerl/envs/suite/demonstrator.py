@@ -352,20 +352,18 @@ def make_demonstrations(tasks: Sequence[Task], make_env: Callable[[], Any], *,
                             max_turns=max_turns)
         for task in tasks for _ in range(demos_per_task)]
     workers = min(workers, max(1, len(plans)))
-    demos: list[Demonstration | None] = [None] * len(plans)
 
-    def play_share(share: int) -> None:
+    def play_share(share: int) -> list[Demonstration]:
         env = make_env()
         try:
-            for index in range(share, len(plans), workers):
-                demos[index] = _play(plans[index], env, implicit_path)
+            return [_play(plan, env, implicit_path) for plan in plans[share::workers]]
         finally:
             env.close()
 
     with ThreadPoolExecutor(workers, thread_name_prefix="tracerl-demo") as pool:
-        for done in [pool.submit(play_share, share) for share in range(workers)]:
-            done.result()
-    return [demo for demo in demos if demo is not None]
+        shares = list(pool.map(play_share, range(workers)))
+    # Share k holds plans k, k + workers, ...: interleave them back into the plans' order.
+    return [shares[index % workers][index // workers] for index in range(len(plans))]
 
 
 def rename_demonstration(demo: Demonstration, old: str, new: str) -> Demonstration:
