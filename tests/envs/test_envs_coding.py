@@ -15,7 +15,13 @@ from tracerl.envs.faults import FaultConfig, FaultInjector
 from tracerl.envs.sandbox import Sandbox
 from tracerl.envs.suite import generate_split
 from tracerl.envs.tasks import Task
-from tracerl.envs.tools import TOOL_SCHEMAS, Workspace, parse_tool_call, replace_tool
+from tracerl.envs.tools import (
+    TOOL_SCHEMAS,
+    Workspace,
+    parse_tool_call,
+    replace_tool,
+    write_file_tool,
+)
 
 
 def call(name: str, **arguments: str) -> str:
@@ -275,6 +281,56 @@ def test_replace_without_old_rewrites_the_line(tmp_path: Any) -> None:
     assert missing.error == "error: replace: missing argument new"
     schema = next(s for s in TOOL_SCHEMAS if s["function"]["name"] == "replace")
     assert schema["function"]["parameters"]["required"] == ["new"]
+
+
+def test_an_edit_that_breaks_the_syntax_or_changes_nothing_is_refused(tmp_path: Any) -> None:
+    source = "def f(n):\n    return n + 7\n"
+    (tmp_path / "m.py").write_text(source)
+    workspace = Workspace(tmp_path)
+    for old, new, line, expected in [
+        ("+ 7", "+", 2, "error: edit not made, m.py would not parse: SyntaxError: line 2: "),
+        (None, "return n +", 2, "error: edit not made, m.py would not parse: SyntaxError"),
+        ("7", "7", 2, "error: replace: new is the same as old; nothing would change in line 2 of m.py:\n2: "),
+        (None, "return n + 7", 2, "error: replace: new is the line as it is; nothing would"),
+    ]:
+        observation = replace_tool(workspace, "m.py", old, new, line=line)
+        assert observation.startswith(expected), (old, new, observation)
+        assert (tmp_path / "m.py").read_text() == source  # the file is left as it was
+    # The line as it would have read is shown, so the next try can see what went wrong.
+    assert replace_tool(workspace, "m.py", "+ 7", "+", line=2).endswith("\n2:     return n +")
+    # Without the guard the broken edit is made, as a plain editor would.
+    assert replace_tool(workspace, "m.py", "+ 7", "+", line=2, check_syntax=False) == "OK"
+    # A file that does not parse already may be repaired one edit at a time.
+    assert replace_tool(workspace, "m.py", "n +", "n + (", line=2) == "OK"
+    assert replace_tool(workspace, "m.py", "n + (", "n + 7", line=2) == "OK"
+    # Only Python files are parsed.
+    (tmp_path / "notes.txt").write_text("a (\n")
+    assert replace_tool(workspace, "notes.txt", "a", "b") == "OK"
+    # write_file: a Python file that parsed may not be overwritten with one that does not.
+    assert write_file_tool(workspace, "m.py", "def f(:\n").startswith(
+        "error: edit not made, m.py would not parse")
+    assert write_file_tool(workspace, "new.py", "x = (\n").startswith("error: edit not made")
+    assert not (tmp_path / "new.py").exists()
+    assert write_file_tool(workspace, "new.py", "x = 1\n") == "OK"
+
+
+def test_a_refused_edit_leaves_nothing_to_undo(sandbox: Sandbox) -> None:
+    tasks = [dataclasses.replace(t, budget=None) for t in generate_split("train", count=1)]
+    env = CodingEnv(tasks, sandbox=sandbox, max_turns=20)
+    env.reset(seed=0, options={"task_index": 0})
+    assert env.task is not None and env.workspace is not None
+    module, _, source = _parts(env.task)
+    number = next(i for i, line in enumerate(source.splitlines(), 1) if "return" in line)
+    refused = env.step(call("replace", line=str(number), old="return", new="return ("))[0]
+    assert refused.startswith(f"error: edit not made, {module} would not parse: SyntaxError")
+    assert env.step(call("write_file", path=module, content="def (\n"))[0].startswith("error:")
+    assert env.workspace.read(module) == source
+    assert env.step(call("undo"))[0] == "error: undo: nothing to undo"
+    lenient = CodingEnv(tasks, sandbox=sandbox, max_turns=20, check_syntax=False)
+    lenient.reset(seed=0, options={"task_index": 0})
+    assert lenient.step(call("replace", line=str(number), old="return", new="return ("))[0] == "OK"
+    lenient.close()
+    env.close()
 
 
 def test_undo_restores_edits_in_reverse_order(sandbox: Sandbox) -> None:

@@ -86,8 +86,11 @@ class CodingEnv(gym.Env[str, str]):
 
     def __init__(self, tasks: Sequence[Task], *, sandbox: Sandbox | None = None,
                  max_turns: int = 8, max_seconds: float | None = None,
-                 faults: FaultConfig | None = None, observation_chars: int = 4000) -> None:
-        """``max_turns``/``max_seconds`` apply when a task's own budget leaves them unset."""
+                 faults: FaultConfig | None = None, observation_chars: int = 4000,
+                 check_syntax: bool = True) -> None:
+        """``max_turns``/``max_seconds`` apply when a task's own budget leaves them unset.
+        ``check_syntax``: an edit that would leave a Python file that parsed unparsable is
+        refused with the parser's error (``tools.parse_error``), as SWE-agent's editor does."""
         if not tasks:
             raise ValueError("tasks must not be empty")
         if max_turns < 1:
@@ -103,6 +106,7 @@ class CodingEnv(gym.Env[str, str]):
         self.max_seconds = max_seconds
         self.faults = FaultInjector(faults) if faults is not None and faults.active else None
         self.observation_chars = observation_chars
+        self.check_syntax = check_syntax
         self.observation_space = spaces.Text(max_length=MAX_TEXT, min_length=1, charset=CHARSET)
         self.action_space = spaces.Text(max_length=MAX_TEXT, min_length=0, charset=CHARSET)
         self.task: Task | None = None
@@ -291,15 +295,17 @@ class CodingEnv(gym.Env[str, str]):
                 return shown
             previous: str | None = workspace.read(path)  # replace needs the file to exist
             result = replace_tool(workspace, path, arguments.get("old"), arguments["new"],
-                                  arguments.get("line"))
+                                  arguments.get("line"), check_syntax=self.check_syntax)
             if result == "OK":
                 self._edits.append((path, previous, line_number(arguments.get("line"))))
             return result
         if name == "write_file":
             path = arguments["path"]
             previous = workspace.read(path) if workspace.exists(path) else None
-            result = write_file_tool(workspace, path, arguments["content"])
-            self._edits.append((path, previous, None))
+            result = write_file_tool(workspace, path, arguments["content"],
+                                     check_syntax=self.check_syntax)
+            if result == "OK":
+                self._edits.append((path, previous, None))
             return result
         if name == "undo":
             return self._undo()

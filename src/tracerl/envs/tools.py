@@ -12,6 +12,7 @@ missing file) come back as an observation starting with ``error:``; those are no
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -258,11 +259,63 @@ def view_file_tool(workspace: Workspace, path: str) -> str:
     return "\n".join(shown) if shown else "(empty file)"
 
 
+def parse_error(path: str, before: str, after: str) -> str | None:
+    """Why the edit from ``before`` to ``after`` would leave the Python file ``path``
+    unparsable, or None: the edit guard of SWE-agent's editor (Yang et al., 2024), which
+    refuses an edit that introduces a syntax error and shows the error instead of saving it.
+
+    Only ``.py`` files are checked, and only an edit that breaks a file that parsed: a file
+    that was already broken can be repaired one edit at a time. ``compile`` only parses
+    (nothing is run); a text too deep or too large for the parser counts as unparsable.
+    """
+    if not path.endswith(".py") or before == after:
+        return None
+    if _parse(path, before) is not None:
+        return None
+    error = _parse(path, after)
+    if isinstance(error, SyntaxError):
+        where = f"line {error.lineno}: " if error.lineno else ""
+        shown = ""
+        lines = after.splitlines()
+        if error.lineno and 1 <= error.lineno <= len(lines):
+            shown = f"\n{error.lineno}: {lines[error.lineno - 1][:MAX_LINE_CHARS]}"
+        return f"{type(error).__name__}: {where}{error.msg}{shown}"
+    if error is not None:
+        return f"{type(error).__name__}: the file does not parse"
+    return None
+
+
+def _parse(path: str, text: str) -> Exception | None:
+    """The parser's error for ``text``, or None; its warnings (an odd escape or literal in the
+    agent's code) are not printed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            compile(text, path, "exec", dont_inherit=True)
+        except (SyntaxError, ValueError, RecursionError, MemoryError) as error:
+            return error
+    return None
+
+
+def _write_checked(workspace: Workspace, path: str, before: str, after: str,
+                   check_syntax: bool) -> str:
+    """Write ``after`` unless the syntax guard refuses it (``parse_error``)."""
+    problem = parse_error(path, before, after) if check_syntax else None
+    if problem is not None:
+        return f"error: edit not made, {path} would not parse: {problem}"
+    workspace.write(path, after)
+    return "OK"
+
+
 def replace_tool(workspace: Workspace, path: str, old: str | None, new: str,
-                 line: int | str | None = None) -> str:
+                 line: int | str | None = None, *, check_syntax: bool = True) -> str:
     """Replace the one occurrence of ``old`` in ``path``, or in its line ``line`` when given;
     with ``old`` None, rewrite the whole line ``line`` (keeping its indentation when ``new``
-    starts without whitespace)."""
+    starts without whitespace).
+
+    An edit that would change nothing is an error, and so (``check_syntax``) is one that would
+    leave a Python file that parsed unparsable (``parse_error``): the file is left as it was.
+    """
     if old is None and line is None:
         return "error: replace: give old, or line to rewrite that whole line"
     if old is not None and not old:
@@ -283,8 +336,10 @@ def replace_tool(workspace: Workspace, path: str, old: str | None, new: str,
         if old is None:
             body = span.rstrip("\r\n")
             indent = body[: len(body) - len(body.lstrip())] if new == new.lstrip() else ""
-            workspace.write(path, before + indent + new + span[len(body):] + after)
-            return "OK"
+            if indent + new == body:
+                return f"error: replace: new is the line as it is; nothing would change in {where}{shown}"
+            return _write_checked(workspace, path, text,
+                                  before + indent + new + span[len(body):] + after, check_syntax)
     assert old is not None
     count = span.count(old)
     if count == 0:
@@ -292,13 +347,18 @@ def replace_tool(workspace: Workspace, path: str, old: str | None, new: str,
     if count > 1:
         return (f"error: replace: old text found {count} times in {where}; give more context"
                 f"{shown}")
-    workspace.write(path, before + span.replace(old, new, 1) + after)
-    return "OK"
+    if new == old:
+        return f"error: replace: new is the same as old; nothing would change in {where}{shown}"
+    return _write_checked(workspace, path, text, before + span.replace(old, new, 1) + after,
+                          check_syntax)
 
 
-def write_file_tool(workspace: Workspace, path: str, content: str) -> str:
-    workspace.write(path, content)
-    return "OK"
+def write_file_tool(workspace: Workspace, path: str, content: str, *,
+                    check_syntax: bool = True) -> str:
+    """Create or overwrite ``path``; with ``check_syntax``, a Python file that parsed may not be
+    overwritten with one that does not (a new file is checked against an empty one)."""
+    before = workspace.read(path) if workspace.exists(path) else ""
+    return _write_checked(workspace, path, before, content, check_syntax)
 
 
 def failure_excerpt(result: SandboxResult) -> str:
