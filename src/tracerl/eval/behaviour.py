@@ -6,7 +6,7 @@ multi-turn skills demonstrations of one edit do not teach, and the ones RL is ex
 add. ``behaviour`` reads them from the recorded actions and observations:
 
 - ``edits``: ``replace`` calls, and the share that applied (``OK``) rather than erring
-  (``old`` not found, line out of range...).
+  (``old`` not found, line out of range, refused by the syntax guard, a change of nothing...).
 - ``malformed``: actions with no valid tool call (bad JSON, unknown tool, bad arguments).
 - ``after_fail``: the next action after each ``run_tests`` that answered ``FAIL``, counted by
   tool (``undo``, ``restart``, ``replace``, ``submit``, ``run_tests``, ``view_file``, ...;
