@@ -314,32 +314,36 @@ def test_an_edit_that_breaks_the_syntax_or_changes_nothing_is_refused(tmp_path: 
     assert write_file_tool(workspace, "new.py", "x = 1\n") == "OK"
 
 
-def test_a_refused_edit_leaves_nothing_to_undo(sandbox: Sandbox) -> None:
-    tasks = [dataclasses.replace(t, budget=None) for t in generate_split("train", count=1)]
-    env = CodingEnv(tasks, sandbox=sandbox, max_turns=20)
+def _at_return_line(sandbox: Sandbox, count: int,
+                    **options: Any) -> tuple[CodingEnv, str, str, int]:
+    """An env without task budgets, reset to its first task; its module, source and the
+    number of the source's first ``return`` line."""
+    tasks = [dataclasses.replace(t, budget=None) for t in generate_split("train", count=count)]
+    env = CodingEnv(tasks, sandbox=sandbox, max_turns=20, **options)
     env.reset(seed=0, options={"task_index": 0})
     assert env.task is not None and env.workspace is not None
     module, _, source = _parts(env.task)
     number = next(i for i, line in enumerate(source.splitlines(), 1) if "return" in line)
+    return env, module, source, number
+
+
+def test_a_refused_edit_leaves_nothing_to_undo(sandbox: Sandbox) -> None:
+    env, module, source, number = _at_return_line(sandbox, 1)
+    assert env.workspace is not None
     refused = env.step(call("replace", line=str(number), old="return", new="return ("))[0]
     assert refused.startswith(f"error: edit not made, {module} would not parse: SyntaxError")
     assert env.step(call("write_file", path=module, content="def (\n"))[0].startswith("error:")
     assert env.workspace.read(module) == source
     assert env.step(call("undo"))[0] == "error: undo: nothing to undo"
-    lenient = CodingEnv(tasks, sandbox=sandbox, max_turns=20, check_syntax=False)
-    lenient.reset(seed=0, options={"task_index": 0})
+    lenient = _at_return_line(sandbox, 1, check_syntax=False)[0]
     assert lenient.step(call("replace", line=str(number), old="return", new="return ("))[0] == "OK"
     lenient.close()
     env.close()
 
 
 def test_undo_restores_edits_in_reverse_order(sandbox: Sandbox) -> None:
-    tasks = [dataclasses.replace(t, budget=None) for t in generate_split("train", count=2)]
-    env = CodingEnv(tasks, sandbox=sandbox, max_turns=20)
-    env.reset(seed=0, options={"task_index": 0})
-    assert env.task is not None and env.workspace is not None
-    module, _, source = _parts(env.task)
-    number = next(i for i, line in enumerate(source.splitlines(), 1) if "return" in line)
+    env, module, source, number = _at_return_line(sandbox, 2)
+    assert env.workspace is not None
     target = source.splitlines()[number - 1]
     assert env.step(call("undo"))[0] == "error: undo: nothing to undo"
     # A replace that does not apply leaves nothing to undo.
