@@ -290,7 +290,8 @@ def test_an_edit_that_breaks_the_syntax_or_changes_nothing_is_refused(tmp_path: 
     for old, new, line, expected in [
         ("+ 7", "+", 2, "error: edit not made, m.py would not parse: SyntaxError: line 2: "),
         (None, "return n +", 2, "error: edit not made, m.py would not parse: SyntaxError"),
-        ("7", "7", 2, "error: replace: new is the same as old; nothing would change in line 2 of m.py:\n2: "),
+        ("7", "7", 2,
+         "error: replace: new is the same as old; nothing would change in line 2 of m.py:\n2: "),
         (None, "return n + 7", 2, "error: replace: new is the line as it is; nothing would"),
     ]:
         observation = replace_tool(workspace, "m.py", old, new, line=line)

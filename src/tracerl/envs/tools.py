@@ -337,7 +337,8 @@ def replace_tool(workspace: Workspace, path: str, old: str | None, new: str,
             body = span.rstrip("\r\n")
             indent = body[: len(body) - len(body.lstrip())] if new == new.lstrip() else ""
             if indent + new == body:
-                return f"error: replace: new is the line as it is; nothing would change in {where}{shown}"
+                return (f"error: replace: new is the line as it is; nothing would change in "
+                        f"{where}{shown}")
             return _write_checked(workspace, path, text,
                                   before + indent + new + span[len(body):] + after, check_syntax)
     assert old is not None
@@ -357,8 +358,9 @@ def write_file_tool(workspace: Workspace, path: str, content: str, *,
                     check_syntax: bool = True) -> str:
     """Create or overwrite ``path``; with ``check_syntax``, a Python file that parsed may not be
     overwritten with one that does not (a new file is checked against an empty one)."""
-    before = workspace.read(path) if workspace.exists(path) else ""
-    return _write_checked(workspace, path, before, content, check_syntax)
+    checked = check_syntax and path.endswith(".py") and workspace.exists(path)
+    return _write_checked(workspace, path, workspace.read(path) if checked else "", content,
+                          check_syntax)
 
 
 def failure_excerpt(result: SandboxResult) -> str:
