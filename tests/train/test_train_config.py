@@ -152,7 +152,9 @@ def test_demo_summary_prints_behaviour_and_the_verdict() -> None:
     text = format_summary(summary)
     assert "RL policy: weight average, update.ema_decay 0.92 (runs/demo/policy)" in text
     assert "gain over SFT sampled 7.0% [-1.6%, 15.6%] (target 15.0%)" in text
-    assert "over SFT greedy -4.7% [-20.0%, 10.0%] (target 10.0%): NOT met" in text
+    assert "over SFT greedy -4.7% [-20.0%, 10.0%] (target 10.0%)" in text
+    assert "28 RL steps, 824s wall (target 900s)" in text
+    assert "demo targets: NOT met (sampled gain, greedy gain)" in text
     assert "after a FAIL: tried again 22.0% of 10, submitted 41.0%" in text
     assert "after a FAIL: tried again 36.0% of 10, submitted 26.0%" in text
     # Runs recorded before behaviour statistics existed print without those lines.
@@ -162,3 +164,10 @@ def test_demo_summary_prints_behaviour_and_the_verdict() -> None:
     del summary["heldout_gain_ci95"], summary["heldout_gain_over_greedy_ci95"]
     summary["demo_targets"] = verdict(summary)
     assert "gain over SFT sampled 7.0% (target 15.0%)" in format_summary(summary)
+    # The time is a target too: every margin met but the run too long is not met.
+    summary.update(heldout_success_after=0.6, wall_seconds=901.0)
+    summary["demo_targets"] = verdict(summary)
+    assert summary["demo_targets"]["missed"] == ["time"]
+    assert "demo targets: NOT met (time)" in format_summary(summary)
+    summary["wall_seconds"] = 900.0
+    assert verdict(summary)["met"]
