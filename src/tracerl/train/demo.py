@@ -24,7 +24,8 @@ SAMPLED_MARGIN = 0.15
 GREEDY_MARGIN = 0.10
 """... and the SFT policy's greedy success by this much."""
 WALL_SECONDS = 900.0
-"""... within 15 minutes of wall time for the whole run (setting up the environment excluded)."""
+"""... within 15 minutes of wall time for the whole run (setting up the environment excluded;
+``wall_seconds`` is the process's own time, so a resumed run is judged on its last part)."""
 
 
 def demo_config(overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
