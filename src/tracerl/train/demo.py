@@ -66,7 +66,7 @@ def verdict(summary: dict[str, Any]) -> dict[str, Any]:
     return {"sampled_gain": sampled_gain, "greedy_gain": greedy_gain,
             "sampled_gain_ci95": summary.get("heldout_gain_ci95"),
             "greedy_gain_ci95": summary.get("heldout_gain_over_greedy_ci95"),
-            "wall_seconds": summary["wall_seconds"], "missed": missed, "met": not missed}
+            "missed": missed, "met": not missed}
 
 
 def run_demo(overrides: list[str] | tuple[str, ...] = (), *, echo: bool = True
